@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - the main job: memory and time with and without remat
+#   make test   - lint, types, every test, the doc examples, the notebooks, the docs build
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEPS := $(VENV)/.deps
+PKG := $(VENV)/.pkg
+
+.PHONY: demo test bench docs clean
+
+$(DEPS): requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+# Tests run against the installed package, not the source tree.
+$(PKG): $(DEPS) pyproject.toml $(wildcard remat/*.py) remat/py.typed
+	$(BIN)/pip install -q --no-deps --force-reinstall .
+	touch $@
+
+demo: $(PKG)
+	$(BIN)/python benchmarks/demo.py
+
+test: $(PKG)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest -n 2 tests
+	$(BIN)/pytest --doctest-modules --pyargs remat --nbmake notebooks
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+docs: $(PKG)
+	$(BIN)/mkdocs serve
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache .hypothesis
