@@ -16,11 +16,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _functorch, _torch_private
 from ._errors import RecomputeError, TraceEntry, debugging, describe, diff_traces, source_line
+from ._modules import ModuleState
 from ._rng import RngCapture, RngReplay, is_random
 
 __all__ = ["Region"]
@@ -110,11 +112,14 @@ class Region:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         inputs: list[torch.Tensor],
+        modules: ModuleState | None,
         paths: Callable[[], list[str]],
         preserve_rng: bool,
         check: bool,
     ) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.tensors = inputs
+        self.modules = modules
         self.inputs = {id(t): t for t in inputs}
         self.versions = [(t, t._version) for t in inputs]
         self.paths = paths
@@ -126,7 +131,7 @@ class Region:
         self.autocast = _autocast_state()
         self.rng = RngCapture() if preserve_rng else None
         self.trace: list[TraceEntry] | None = [] if debugging() else None
-        self.levels = _functorch.Levels.capture()
+        self.levels = _functorch.Levels.capture(inputs)
 
     def forward(self) -> Any:
         with contextlib.ExitStack() as stack:
@@ -191,24 +196,35 @@ class Region:
         last = max(needed)
         values: dict[int, torch.Tensor] = {}
         counter = itertools.count()
-        detach = not self.levels
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
-
-        def pack(t: torch.Tensor) -> Any:
-            if self._is_input(t):
-                return t
-            i = next(counter)
-            if self.check:
-                self._compare(i, t, trace)
-            if i in needed:
-                values[i] = t.detach() if detach else t
-            if i == last:
-                raise _Stop
-            return t
-
         replay = self.rng.replay() if self.rng is not None else None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self.levels.restore())
+            replant = stack.enter_context(self.levels.restore(self.tensors))
+            if self.modules is not None:
+                stack.enter_context(self.modules.pinned())
+            call: Any = (self.args, self.kwargs)
+            inputs = self.inputs
+            keep: Callable[[torch.Tensor], torch.Tensor] = _identity
+            if replant is not None:
+                swap = {id(a): b for a, b in zip(self.tensors, replant.inputs, strict=True)}
+                call = optree.tree_map(lambda x: swap.get(id(x), x), call, none_is_leaf=True)
+                inputs = {id(t): t for t in replant.inputs}
+                keep = replant.check
+            elif not self.levels:
+                keep = torch.Tensor.detach
+
+            def pack(t: torch.Tensor) -> Any:
+                if inputs.get(id(t)) is t:
+                    return t
+                i = next(counter)
+                if self.check:
+                    self._compare(i, t, trace)
+                if i in needed:
+                    values[i] = keep(t)
+                if i == last:
+                    raise _Stop
+                return t
+
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_autocast(self.autocast))
             if self.levels:
@@ -219,7 +235,7 @@ class Region:
             if replay is not None or trace is not None:
                 stack.enter_context(_OpMode(None, replay, trace))
             try:
-                self.fn(*self.args, **self.kwargs)
+                self.fn(*call[0], **call[1])
             except _Stop:
                 return values
         saved = next(counter)

@@ -1,9 +1,14 @@
-"""The torch.func bridge: which transform levels a region's forward ran under.
+"""The torch.func bridge: run a region's recompute at its forward's levels.
 
-Inside ``grad``/``vjp``/``jacrev`` the region re-enables saved-tensor hooks
-(functorch turns them off), and the recompute must run at the forward's
-levels. `Levels` records them and checks, at recompute time, that backward
-still runs under them.
+Inside ``grad``/``vjp``/``jacrev`` a region re-enables saved-tensor hooks
+(functorch turns them off around the forward). Backward may run under other
+levels than the forward: ``vjp_fn`` called after ``vjp`` returned, ``jacrev``'s
+vmapped ``vjp_fn``, ``hessian``'s ``jacfwd`` around it, or eager backward after
+a ``vmap`` exited. The recompute then pops the levels pushed since the forward
+and re-creates the forward's exited ``grad`` and ``vmap`` levels, re-wrapping
+the region's inputs (and tensors it reads by closure) as the forward saw them.
+Values saved at a re-created ``grad`` level keep its wrapper, which dies with the
+level; a dead wrapper acts as its contents, exactly as the forward's would.
 """
 
 from __future__ import annotations
@@ -12,51 +17,154 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
-from . import _torch_private
+from . import _torch_private as tp
 
-__all__ = ["Levels"]
+__all__ = ["Levels", "Replant"]
 
 
 class Levels:
-    """The functorch interpreter stack of a region's forward."""
+    """The functorch levels a region's forward ran under, and its inputs' wrappers."""
 
-    __slots__ = ("stack", "witnesses")
+    __slots__ = ("chains", "stack", "witnesses")
 
-    def __init__(self, stack: list[tuple[Any, ...]], witnesses: list[torch.Tensor]) -> None:
-        self.stack = stack
-        self.witnesses = witnesses
+    def __init__(
+        self,
+        stack: list[tuple[Any, ...]],
+        witnesses: dict[int, torch.Tensor],
+        chains: list[list[tuple[int, int | None, bool]]],
+    ) -> None:
+        self.stack, self.witnesses, self.chains = stack, witnesses, chains
 
     @classmethod
-    def capture(cls) -> Levels:
-        interpreters = _torch_private.functorch_interpreters()
+    def capture(cls, inputs: list[torch.Tensor]) -> Levels:
+        interpreters = tp.functorch_interpreters()
         if not interpreters:
             return _NO_LEVELS
         stack = [_describe(i) for i in interpreters]
-        witnesses = [
-            _torch_private.level_witness(i.level())
+        witnesses = {
+            i.level(): tp.level_witness(i.level())
             for i in interpreters
             if i.key().name in ("Grad", "Jvp")
-        ]
-        return cls(stack, witnesses)
+        }
+        return cls(stack, witnesses, [tp.wrapper_chain(t) for t in inputs])
 
     def __bool__(self) -> bool:
         return bool(self.stack)
 
+    def _alive(self, now: list[tuple[Any, ...]]) -> int:
+        """How many of the forward's outermost levels are still the same, alive."""
+        for i, desc in enumerate(self.stack):
+            witness = self.witnesses.get(desc[1])
+            if (
+                i >= len(now)
+                or now[i] != desc
+                or (witness is not None and tp.is_dead_wrapper(witness))
+            ):
+                return i
+        return len(self.stack)
+
     @contextlib.contextmanager
-    def restore(self) -> Iterator[None]:
-        now = [_describe(i) for i in _torch_private.functorch_interpreters()]
-        dead = any(_torch_private.is_dead_wrapper(w) for w in self.witnesses)
-        if now != self.stack or dead:
+    def restore(self, inputs: list[torch.Tensor]) -> Iterator[Replant | None]:
+        """Run the block at the forward's levels; yields how to re-wrap, or None."""
+        now = [_describe(i) for i in tp.functorch_interpreters()]
+        alive = self._alive(now)
+        if alive == len(self.stack) == len(now):
+            yield None
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tp.levels_popped(len(now) - alive))
+            recreated: list[tuple[int, str, int]] = []
+            for desc in self.stack[alive:]:
+                kind, level = desc[0], desc[1]
+                if kind == "Grad":
+                    recreated.append((level, kind, stack.enter_context(tp.new_grad_level())))
+                elif kind == "Vmap":
+                    new = stack.enter_context(tp.new_vmap_level(desc[3], desc[2]))
+                    recreated.append((level, kind, new))
+                elif kind != "Jvp":  # an exited jvp level only held tangents: drop it
+                    raise NotImplementedError(
+                        f"`remat`: cannot recompute after a torch.func {kind} level exited."
+                    )
+            dead = {desc[1] for desc in self.stack[alive:]}
+            replant = Replant(recreated, dead)
+            replant.inputs = [replant.wrap(t, c) for t, c in zip(inputs, self.chains, strict=True)]
+            if any(kind == "Grad" for _, kind, _ in recreated):
+                stack.enter_context(_ClosureMode(replant))
+            yield replant
+
+
+class Replant:
+    """Moves tensors from a forward's exited levels to their re-created twins."""
+
+    def __init__(self, recreated: list[tuple[int, str, int]], dead: set[int]) -> None:
+        self.recreated = recreated
+        self.dead = dead
+        self.inputs: list[torch.Tensor] = []
+        self._closures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def wrap(self, t: torch.Tensor, chain: list[tuple[int, int | None, bool]]) -> torch.Tensor:
+        """Re-wrap an input whose forward wrappers are given by ``chain``."""
+        outer = {level: (bdim, requires_grad) for level, bdim, requires_grad in chain}
+        for level, _, _ in chain:
+            if level not in self.dead:
+                break
+            t = tp.unwrap(t)
+        for level, kind, new in self.recreated:
+            if level not in outer:
+                continue
+            bdim, requires_grad = outer[level]
+            if kind == "Grad":
+                t = tp.wrap_for_grad(t, new, requires_grad)
+            else:
+                t = tp.add_batch_dim(t, bdim, new)  # type: ignore[arg-type]
+        return t
+
+    def closure(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor read by closure, still wrapped at an exited grad level."""
+        hit = self._closures.get(id(t))
+        if hit is None:
+            requires_grad, inner = t.requires_grad, t
+            while tp.is_dead_wrapper(inner):
+                inner = tp.unwrap(inner)
+            for _, kind, new in self.recreated:
+                if kind == "Grad":
+                    inner = tp.wrap_for_grad(inner, new, requires_grad)
+            hit = self._closures[id(t)] = (t, inner)
+        return hit[1]
+
+    def check(self, t: torch.Tensor) -> torch.Tensor:
+        """A value saved during the recompute, kept as is.
+
+        Wrapped at a re-created grad level, it dies with that level and then acts
+        as its contents, just like the forward's own (dead) wrapper would.
+        """
+        level = tp.wrapper_level(t)
+        if any(kind == "Vmap" and new == level for _, kind, new in self.recreated):
             raise NotImplementedError(
-                "`remat`: this backward runs under different torch.func levels than the "
-                f"region's forward (forward: {self.stack or 'none'}, now: {now or 'none'}"
-                f"{', forward level exited' if dead else ''}). Calling `vjp_fn` after `vjp` "
-                "returns, `jacrev`, `hessian`, and eager backward through `vmap` are not "
-                "supported by remat yet."
+                "`remat`: a value saved inside an exited `vmap` is needed by a backward "
+                "outside it; run that backward inside the `vmap`."
             )
-        yield
+        return t
+
+
+class _ClosureMode(TorchFunctionMode):
+    def __init__(self, replant: Replant) -> None:
+        super().__init__()
+        self.replant = replant
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        call: Any = (args, kwargs or {})
+        args, kwargs = optree.tree_map(self._map, call, none_is_leaf=True)
+        return func(*args, **kwargs)
+
+    def _map(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and tp.is_dead_wrapper(x):
+            return self.replant.closure(x)
+        return x
 
 
 def _describe(interpreter: Any) -> tuple[Any, ...]:
@@ -66,4 +174,4 @@ def _describe(interpreter: Any) -> tuple[Any, ...]:
     return state
 
 
-_NO_LEVELS = Levels([], [])
+_NO_LEVELS = Levels([], {}, [])

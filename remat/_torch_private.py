@@ -13,11 +13,22 @@ from typing import Any
 import torch
 from torch._functorch import pyfunctorch
 
+_F: Any = torch._C._functorch
+
 __all__ = [
     "current_graph_task_id",
     "functorch_interpreters",
     "is_dead_wrapper",
     "level_witness",
+    "levels_popped",
+    "new_grad_level",
+    "new_vmap_level",
+    "unwrap_for_grad",
+    "add_batch_dim",
+    "unwrap",
+    "wrapper_chain",
+    "wrapper_level",
+    "wrap_for_grad",
     "queue_end_of_backward_callback",
     "saved_tensors_hooks_enabled",
 ]
@@ -79,9 +90,87 @@ def level_witness(level: int) -> torch.Tensor:
     Level numbers are positions and get reused; only a wrapper knows whether the
     level it was made at is still alive.
     """
-    return torch._C._functorch._wrap_for_grad(_PLAIN, level)
+    return _F._wrap_for_grad(_PLAIN, level)
 
 
 def is_dead_wrapper(t: torch.Tensor) -> bool:
     """Whether ``t`` wraps a functorch level that has exited."""
-    return bool(torch._C._functorch.is_dead_tensor_wrapper(t))  # type: ignore[attr-defined]
+    return bool(_F.is_dead_tensor_wrapper(t))
+
+
+# The recompute of a region whose transform levels exited (``vjp_fn`` called
+# later, ``jacrev``, ``hessian``, backward after ``vmap``) re-creates those levels
+# and re-wraps the inputs, as ``torch.func.grad`` and ``vmap`` do internally.
+# torch.func offers no public way to run code at a level other than its own.
+
+
+def wrapper_chain(t: torch.Tensor) -> list[tuple[int, int | None, bool]]:
+    """The functorch wrappers around ``t``, outermost first.
+
+    Each is ``(level, batch dim or None, requires_grad at that level)``.
+    """
+    chain = []
+    while _F.is_functorch_wrapped_tensor(t):
+        bdim = _F.maybe_get_bdim(t) if _F.is_batchedtensor(t) else None
+        chain.append((int(_F.maybe_get_level(t)), bdim, bool(t.requires_grad)))
+        t = _F.get_unwrapped(t)
+    return chain
+
+
+def unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The tensor inside one functorch wrapper, alive or dead."""
+    return _F.get_unwrapped(t)
+
+
+@contextlib.contextmanager
+def levels_popped(count: int) -> Iterator[None]:
+    """Temporarily pop the ``count`` innermost transform levels."""
+    popped = [_F.pop_dynamic_layer_stack() for _ in range(count)]
+    try:
+        yield
+    finally:
+        for layer in reversed(popped):
+            _F.push_dynamic_layer_stack(layer)
+
+
+@contextlib.contextmanager
+def new_grad_level() -> Iterator[int]:
+    level = _F._grad_increment_nesting()
+    try:
+        yield level
+    finally:
+        _F._grad_decrement_nesting()
+
+
+@contextlib.contextmanager
+def new_vmap_level(batch_size: int, randomness: str) -> Iterator[int]:
+    level = _F._vmap_increment_nesting(batch_size, randomness)
+    try:
+        yield level
+    finally:
+        _F._vmap_decrement_nesting()
+
+
+def wrap_for_grad(t: torch.Tensor, level: int, requires_grad: bool) -> torch.Tensor:
+    wrapped = _F._wrap_for_grad(t, level)
+    if requires_grad:
+        allowed = _F.get_inplace_requires_grad_allowed()
+        _F.set_inplace_requires_grad_allowed(True)
+        try:
+            wrapped.requires_grad_()
+        finally:
+            _F.set_inplace_requires_grad_allowed(allowed)
+    return wrapped
+
+
+def unwrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
+    return _F._unwrap_for_grad(t, level)
+
+
+def add_batch_dim(t: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
+    return _F._add_batch_dim(t, bdim, level)
+
+
+def wrapper_level(t: torch.Tensor) -> int:
+    """Level of the outermost wrapper of ``t``: -1 for a plain tensor, -2 if dead."""
+    return int(_F.maybe_get_level(t))

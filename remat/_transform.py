@@ -11,6 +11,7 @@ import optree
 import torch
 
 from ._engine import Region
+from ._modules import ModuleState
 from ._policies import OpCall, Policy, resolve
 
 __all__ = ["remat"]
@@ -110,8 +111,9 @@ def remat(
             return fn(*args, **kwargs)
         leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        modules = ModuleState.capture(fn, leaves)
         paths = functools.partial(_input_paths, fn, args, kwargs)
-        region = Region(fn, args, kwargs, inputs, paths, preserve_rng, compare)
+        region = Region(fn, args, kwargs, inputs, modules, paths, preserve_rng, compare)
         return region.forward()
 
     wrapper.policy = resolved  # type: ignore[attr-defined]
