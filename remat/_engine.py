@@ -39,6 +39,18 @@ class _Handle:
         self.index = index
 
 
+class _Kept:
+    """An input autograd saved, kept by reference with its version.
+
+    Autograd skips its own version check for values packed by hooks.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+
 class _Stop(BaseException):
     """Raised by the recompute's pack hook once every needed value exists."""
 
@@ -140,14 +152,17 @@ class Region:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
             if self.rng is not None or self.trace is not None:
                 stack.enter_context(_OpMode(self.rng, None, self.trace))
-            return self.fn(*self.args, **self.kwargs)
+            out = self.fn(*self.args, **self.kwargs)
+        if self.levels:
+            self.levels.watch_outputs(out)
+        return out
 
     def _is_input(self, t: torch.Tensor) -> bool:
         return self.inputs.get(id(t)) is t
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._is_input(t):
-            return t
+            return _Kept(t)
         handle = _Handle(len(self.handles))
         self.handles.append(weakref.ref(handle))
         if self.check:
@@ -156,8 +171,10 @@ class Region:
         return handle
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
-            return packed
+        if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                self._check_inputs()
+            return packed.tensor
         key = _torch_private.current_graph_task_id()
         values = self.passes.get(key) if key != -1 else None
         if values is None:
@@ -168,12 +185,13 @@ class Region:
                     functools.partial(self._end_pass, key)
                 )
         try:
-            return values.pop(packed.index)
+            value = values.pop(packed.index)
         except KeyError:
             raise RuntimeError(
                 "`remat`: a saved value was unpacked twice in one backward pass. Read "
                 "`ctx.saved_tensors` once per backward, or use `policy='save_everything'`."
             ) from None
+        return self.levels.for_backward(value) if self.levels else value
 
     def _end_pass(self, key: int) -> None:
         self.passes.pop(key, None)
@@ -183,9 +201,9 @@ class Region:
             if t._version != version:
                 raise RuntimeError(
                     f"`remat`: argument {self.paths()[i]} was modified in place between the "
-                    f"forward and the backward (version {version} -> {t._version}), so the "
-                    "recompute would give wrong gradients. Clone it before modifying it, or "
-                    "modify it after the backward."
+                    f"forward and the backward (version {version} -> {t._version}); its "
+                    "gradients would be wrong. Clone it before modifying it, or modify it "
+                    "after the backward."
                 )
 
     def _recompute(self) -> dict[int, torch.Tensor]:
@@ -204,14 +222,12 @@ class Region:
                 stack.enter_context(self.modules.pinned())
             call: Any = (self.args, self.kwargs)
             inputs = self.inputs
-            keep: Callable[[torch.Tensor], torch.Tensor] = _identity
+            keep = _torch_private.detach_outermost if self.levels else torch.Tensor.detach
             if replant is not None:
                 swap = {id(a): b for a, b in zip(self.tensors, replant.inputs, strict=True)}
                 call = optree.tree_map(lambda x: swap.get(id(x), x), call, none_is_leaf=True)
                 inputs = {id(t): t for t in replant.inputs}
-                keep = replant.check
-            elif not self.levels:
-                keep = torch.Tensor.detach
+                keep = replant.keep
 
             def pack(t: torch.Tensor) -> Any:
                 if inputs.get(id(t)) is t:

@@ -55,6 +55,46 @@ class Levels:
     def __bool__(self) -> bool:
         return bool(self.stack)
 
+    @staticmethod
+    def _own_pass_level(t: torch.Tensor) -> int | None:
+        """The grad level whose own backward pass this is, if ``t`` lives there."""
+        level = tp.top_grad_level()
+        if level is None or tp.wrapper_level(t) != level:
+            return None
+        return level if tp.in_grad_transform_backward() else None
+
+    @staticmethod
+    def for_backward(value: torch.Tensor) -> torch.Tensor:
+        """What a backward formula should see of a recomputed value.
+
+        ``torch.func.grad`` always backpropagates with ``create_graph=True``, so
+        the formulas' ops would be recorded at its level (whose graph nobody
+        reads) and hold every recomputed value until ``grad`` returns. In that
+        pass the value is handed over as a dead twin: autograd rewraps what an
+        unpack hook returns with the node's history, but a dead wrapper acts as
+        its contents, so ops see no history at that level and record nothing
+        there, while the levels below keep theirs.
+        """
+        level = Levels._own_pass_level(value)
+        return value if level is None else tp.dead_twin(value, level)
+
+    @staticmethod
+    def _for_incoming(grad: torch.Tensor) -> torch.Tensor:
+        level = Levels._own_pass_level(grad)
+        return grad if level is None else tp.detach_outermost(grad)
+
+    def watch_outputs(self, out: Any) -> None:
+        """Give gradients reaching the region's outputs the same treatment.
+
+        Saved values alone are not enough: the incoming gradient carries the
+        level's history too, and ops on it would record all the same.
+        """
+        if self.stack[-1][0] != "Grad":
+            return
+        for leaf in optree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(Levels._for_incoming)
+
     def _alive(self, now: list[tuple[Any, ...]]) -> int:
         """How many of the forward's outermost levels are still the same, alive."""
         for i, desc in enumerate(self.stack):
@@ -81,7 +121,10 @@ class Levels:
             for desc in self.stack[alive:]:
                 kind, level = desc[0], desc[1]
                 if kind == "Grad":
+                    # Levels below record by the grad mode the level was entered with.
+                    stack.enter_context(torch.set_grad_enabled(desc[2]))
                     recreated.append((level, kind, stack.enter_context(tp.new_grad_level())))
+                    stack.enter_context(torch.enable_grad())
                 elif kind == "Vmap":
                     new = stack.enter_context(tp.new_vmap_level(desc[3], desc[2]))
                     recreated.append((level, kind, new))
@@ -136,8 +179,8 @@ class Replant:
             hit = self._closures[id(t)] = (t, inner)
         return hit[1]
 
-    def check(self, t: torch.Tensor) -> torch.Tensor:
-        """A value saved during the recompute, kept as is.
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """A value saved during the recompute, detached from the level that saved it.
 
         Wrapped at a re-created grad level, it dies with that level and then acts
         as its contents, just like the forward's own (dead) wrapper would.
@@ -148,7 +191,7 @@ class Replant:
                 "`remat`: a value saved inside an exited `vmap` is needed by a backward "
                 "outside it; run that backward inside the `vmap`."
             )
-        return t
+        return tp.detach_outermost(t)
 
 
 class _ClosureMode(TorchFunctionMode):

@@ -7,6 +7,7 @@ each one against the installed torch, so an upgrade that changes them fails loud
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,10 @@ __all__ = [
     "levels_popped",
     "new_grad_level",
     "new_vmap_level",
-    "unwrap_for_grad",
+    "dead_twin",
+    "detach_outermost",
+    "in_grad_transform_backward",
+    "top_grad_level",
     "add_batch_dim",
     "unwrap",
     "wrapper_chain",
@@ -163,8 +167,67 @@ def wrap_for_grad(t: torch.Tensor, level: int, requires_grad: bool) -> torch.Ten
     return wrapped
 
 
-def unwrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
-    return _F._unwrap_for_grad(t, level)
+def _transform_backward_codes() -> tuple[Any, Any]:
+    from torch._functorch import eager_transforms as et
+
+    impl = et.grad_and_value_impl
+    return et._autograd_grad.__code__, getattr(impl, "__wrapped__", impl).__code__
+
+
+_AUTOGRAD_GRAD, _GRAD_AND_VALUE = _transform_backward_codes()
+
+
+def in_grad_transform_backward() -> bool:
+    """Whether the running backward is ``torch.func.grad``'s own pass.
+
+    functorch always backpropagates with ``create_graph=True``, so every saved
+    value a backward formula reads is recorded at the transform's level and
+    held until ``grad`` returns, though nothing ever reads that level's graph.
+    Only the call stack tells this pass from a user's ``autograd.grad`` inside
+    ``fn``, whose graph may be read.
+    """
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code is _AUTOGRAD_GRAD:
+            caller = frame.f_back
+            return caller is not None and caller.f_code is _GRAD_AND_VALUE
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def top_grad_level() -> int | None:
+    """Level of the innermost transform if it is ``grad``, else None."""
+    top = _F.peek_interpreter_stack()
+    if top is None or top.key() != _F.TransformType.Grad:
+        return None
+    return int(top.level())
+
+
+def dead_twin(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` (wrapped at ``level``) rewrapped at a level that has already exited.
+
+    A dead wrapper acts as its contents: ops at ``level`` then see a value with
+    no history there, so nothing records it, while the levels below keep theirs.
+    """
+    inner = _F._unwrap_for_grad(t, level)
+    with new_grad_level() as temporary:
+        twin = _F._wrap_for_grad(inner, temporary)
+    return twin
+
+
+def detach_outermost(t: torch.Tensor) -> torch.Tensor:
+    """Detach ``t`` from the autograd level that saved it, and from no other.
+
+    A saved value's outermost wrapper is the level whose autograd saved it;
+    ``Tensor.detach`` would also cut the graphs of the levels below, which
+    higher-order transforms differentiate through.
+    """
+    if not _F.is_gradtrackingtensor(t):
+        return t.detach()
+    level = _F.maybe_get_level(t)
+    return _F._wrap_for_grad(_F._unwrap_for_grad(t, level), level)
 
 
 def add_batch_dim(t: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
