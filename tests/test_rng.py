@@ -1,0 +1,252 @@
+"""RNG: the recompute replays every random op bit for bit, without touching the caller's RNG."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+from remat import remat
+
+F = torch.nn.functional
+GEN_A = torch.Generator().manual_seed(11)
+GEN_B = torch.Generator().manual_seed(22)
+
+
+def _dropout(x):
+    return F.dropout(x.sin(), 0.5).exp()
+
+
+def _bernoulli(x):
+    return x.exp() * torch.bernoulli(torch.full_like(x, 0.3))
+
+
+def _rand(x):
+    return (x * torch.rand(x.shape, dtype=x.dtype)).sin()
+
+
+def _randn_like(x):
+    return (x + torch.randn_like(x)).tanh().square()
+
+
+def _rand_like(x):
+    return x.sin() * torch.rand_like(x)
+
+
+def _randint(x):
+    return x.cos() * torch.randint(0, 5, x.shape, dtype=x.dtype)
+
+
+def _randint_like(x):
+    return x.cos() * torch.randint_like(x, 7)
+
+
+def _normal_(x):
+    return x.exp() * torch.empty_like(x).normal_()
+
+
+def _uniform_(x):
+    return x.tanh() * torch.empty_like(x).uniform_(-1, 1)
+
+
+def _randperm(x):
+    return x.sin()[..., torch.randperm(x.shape[-1])].exp()
+
+
+def _multinomial(x):
+    idx = torch.multinomial(torch.ones(x.shape[-1]), x.shape[-1], replacement=True)
+    return x.sin()[..., idx].exp()
+
+
+def _explicit_generator(x):
+    return x.sin() * torch.rand(x.shape, dtype=x.dtype, generator=GEN_A)
+
+
+def _two_generators(x):
+    a = torch.rand(x.shape, dtype=x.dtype, generator=GEN_A)
+    b = torch.randn(x.shape, dtype=x.dtype, generator=GEN_B)
+    return (x * a).exp() + (x * b).sin() * torch.rand_like(x)
+
+
+RANDOM_FUNCTIONS = [
+    _dropout,
+    _bernoulli,
+    _rand,
+    _randn_like,
+    _rand_like,
+    _randint,
+    _randint_like,
+    _normal_,
+    _uniform_,
+    _randperm,
+    _multinomial,
+    _explicit_generator,
+    _two_generators,
+]
+IDS = [f.__name__.strip("_") for f in RANDOM_FUNCTIONS]
+
+
+def _states():
+    return [torch.get_rng_state(), GEN_A.get_state(), GEN_B.get_state()]
+
+
+def _seed(seed=0):
+    torch.manual_seed(seed)
+    GEN_A.manual_seed(seed + 1)
+    GEN_B.manual_seed(seed + 2)
+
+
+def _eager_run(f):
+    """Forward, draw between forward and backward, backward; report everything observable."""
+    _seed()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    out = f(x)
+    between = (torch.rand(3), torch.rand(2, generator=GEN_A), torch.randn(2, generator=GEN_B))
+    out.sum().backward()
+    return out.detach(), x.grad, between, _states()
+
+
+def _assert_same(a, b):
+    for p, q in zip(a, b, strict=True):
+        if isinstance(p, (tuple, list)):
+            _assert_same(p, q)
+        else:
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
+def test_eager_random_ops_replay_bitwise(f):
+    """Outputs, grads, numbers drawn between forward and backward, final states: as plain."""
+    _assert_same(_eager_run(f), _eager_run(remat(f)))
+
+
+@pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
+def test_forward_alone_advances_rng_like_plain(f):
+    """A forward without backward leaves every generator where plain autograd leaves it."""
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    _seed()
+    f(x)
+    plain = _states()
+    _seed()
+    remat(f)(x)
+    _assert_same(plain, _states())
+
+
+@pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
+def test_recompute_happens_and_uses_forward_numbers(f):
+    """The region really is recomputed, and the recompute sees the forward's random numbers."""
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return f(x)
+
+    _assert_same(_eager_run(f), _eager_run(remat(counted)))
+    assert len(calls) == 2
+
+
+def test_nested_regions_replay_bitwise():
+    """Random ops in nested regions replay exactly, at every level."""
+
+    def inner(x):
+        return F.dropout(x.exp(), 0.3) * torch.rand_like(x)
+
+    def outer(region):
+        def f(x):
+            y = F.dropout(x.sin(), 0.4)
+            return region(y).cos() * torch.randn_like(x)
+
+        return f
+
+    _assert_same(_eager_run(outer(inner)), _eager_run(remat(outer(remat(inner)))))
+
+
+@pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
+def test_under_torch_func_grad(f):
+    """Under torch.func.grad, gradients and final generator states match plain."""
+
+    def run(g):
+        _seed()
+        x = torch.randn(4, 6, dtype=torch.float64)
+        return grad(lambda x: g(x).sum())(x), _states()
+
+    _assert_same(run(f), run(remat(f)))
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize(
+    "f", [_dropout, _rand_like, _normal_, _rand], ids=lambda f: f.__name__.strip("_")
+)
+def test_vmap_grad_randomness_modes(f, randomness):
+    """vmap(grad) with randomness="different" and "same" matches plain, states included."""
+
+    def run(g):
+        _seed()
+        xs = torch.randn(3, 4, 6, dtype=torch.float64)
+        return vmap(grad(lambda x: g(x).sum()), randomness=randomness)(xs), _states()
+
+    _assert_same(run(f), run(remat(f)))
+
+
+def test_autocast_with_random_ops():
+    """Dropout under CPU autocast (bfloat16 matmul) replays exactly."""
+
+    def f(x):
+        return F.dropout(x @ x.T, 0.5).float().sin()
+
+    def run(g):
+        _seed()
+        x = torch.randn(8, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = g(x)
+        out.sum().backward()
+        return out.detach(), x.grad, _states()
+
+    _assert_same(run(f), run(remat(f)))
+
+
+def test_preserve_rng_false_captures_nothing(monkeypatch):
+    """With preserve_rng=False no generator state is read, and no dispatch mode runs."""
+    import remat._rng as rng
+
+    def forbidden(self, args, kwargs):
+        raise AssertionError("captured")
+
+    monkeypatch.setattr(rng.RngCapture, "before", forbidden)
+    x = torch.randn(5, requires_grad=True)
+    y = remat(lambda x: x.sin().exp(), preserve_rng=False)(x)
+    y.sum().backward()
+    assert torch.equal(x.grad, (x.cos() * x.sin().exp()).detach())
+
+
+def test_preserve_rng_false_recompute_draws_fresh_numbers():
+    """Without RNG capture a dropout recompute draws new numbers (documented behaviour)."""
+    torch.manual_seed(0)
+    x = torch.ones(1000, dtype=torch.float64, requires_grad=True)
+    (F.dropout(x, 0.5).exp()).sum().backward()
+    plain = x.grad.clone()
+    torch.manual_seed(0)
+    x.grad = None
+    remat(lambda x: F.dropout(x, 0.5).exp(), preserve_rng=False)(x).sum().backward()
+    assert not torch.equal(plain, x.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_random_ops_replay_bitwise():
+    """On CUDA, including generators first touched inside the region, replay is exact."""
+
+    def run(g):
+        torch.manual_seed(0)
+        torch.cuda.manual_seed_all(0)
+        x = torch.randn(4, 6, device="cuda", requires_grad=True)
+        out = g(x)
+        between = torch.rand(3, device="cuda")
+        out.sum().backward()
+        return out.detach(), x.grad, between, torch.cuda.get_rng_state()
+
+    def on_cuda(x):
+        cpu = torch.rand(x.shape).to(x.device)
+        return F.dropout(x.sin(), 0.5) * torch.rand_like(x) + (x * cpu).exp()
+
+    _assert_same(run(on_cuda), run(remat(on_cuda)))
