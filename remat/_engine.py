@@ -147,6 +147,7 @@ class Region:
 
     def forward(self) -> Any:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_torch_private.region_running())
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
@@ -242,6 +243,7 @@ class Region:
                 return t
 
             stack.enter_context(torch.enable_grad())
+            stack.enter_context(_torch_private.region_running())
             stack.enter_context(_autocast(self.autocast))
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())

@@ -128,9 +128,13 @@ class Levels:
                 elif kind == "Vmap":
                     new = stack.enter_context(tp.new_vmap_level(desc[3], desc[2]))
                     recreated.append((level, kind, new))
-                elif kind != "Jvp":  # an exited jvp level only held tangents: drop it
+                else:
                     raise NotImplementedError(
-                        f"`remat`: cannot recompute after a torch.func {kind} level exited."
+                        f"`remat`: this backward runs after a torch.func `{kind.lower()}` level "
+                        "of the region's forward exited (reverse mode over forward mode, such "
+                        "as `grad` of `jvp` or of `jacfwd`). remat cannot recompute there yet; "
+                        "use forward-over-reverse (`jvp` of `grad`, `jacfwd` of `jacrev`), or "
+                        "call the region outside the forward-mode transform."
                     )
             dead = {desc[1] for desc in self.stack[alive:]}
             replant = Replant(recreated, dead)

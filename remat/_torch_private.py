@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "wrapper_level",
     "wrap_for_grad",
     "queue_end_of_backward_callback",
+    "region_running",
     "saved_tensors_hooks_enabled",
 ]
 
@@ -74,6 +76,49 @@ def saved_tensors_hooks_enabled() -> Iterator[None]:
         yield
     finally:
         torch._C._autograd._saved_tensors_hooks_disable(message)
+
+
+_regions = threading.local()
+_disable_saved_tensors_hooks = torch.autograd.graph.disable_saved_tensors_hooks
+
+
+@contextlib.contextmanager
+def region_running() -> Iterator[None]:
+    """Mark a remat forward or recompute as running on this thread."""
+    _regions.depth = getattr(_regions, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _regions.depth -= 1
+
+
+@contextlib.contextmanager
+def _disable_saved_tensors_hooks_in_regions(error_message: str) -> Iterator[None]:
+    """``torch.autograd.graph.disable_saved_tensors_hooks``, usable inside a region.
+
+    ``grad``/``vjp`` refuse to start while any saved-tensor hooks are pushed,
+    so a transform inside a remat region would fail on the region's own hooks.
+    Inside a region (and only there) they are disabled without that check:
+    the transform's ops then save their tensors normally, and so does the
+    recompute. Everywhere else torch's own behaviour is unchanged.
+    """
+    if not getattr(_regions, "depth", 0):
+        with _disable_saved_tensors_hooks(error_message):
+            yield
+        return
+    previous = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    torch._C._autograd._saved_tensors_hooks_disable(error_message, False)
+    try:
+        yield
+    finally:
+        if previous is None:
+            torch._C._autograd._saved_tensors_hooks_enable()
+        else:
+            torch._C._autograd._saved_tensors_hooks_disable(previous, False)
+
+
+# functorch looks this function up on the module at call time.
+torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks_in_regions
 
 
 def functorch_interpreters() -> list[Any]:
