@@ -4,7 +4,21 @@ from . import memory as memory
 from . import policies as policies
 from ._errors import RecomputeError as RecomputeError
 from ._errors import debug as debug
+from ._introspect import Residual as Residual
+from ._introspect import print_saved_residuals as print_saved_residuals
+from ._introspect import saved_residuals as saved_residuals
+from ._transform import name as name
 from ._transform import remat as remat
 
-__all__ = ["RecomputeError", "debug", "memory", "policies", "remat"]
+__all__ = [
+    "RecomputeError",
+    "Residual",
+    "debug",
+    "memory",
+    "name",
+    "policies",
+    "print_saved_residuals",
+    "remat",
+    "saved_residuals",
+]
 __version__ = "0.1.0"

@@ -1,10 +1,12 @@
-"""The hook engine: one remat region, from forward to every backward pass.
+"""The hook engine: one remat region, from its forward to every backward pass.
 
-The forward runs ``fn`` under saved-tensor hooks. A saved tensor that is one of
-the region's inputs is kept by reference; every other one is packed as a
-`_Handle`, so autograd keeps the graph's nodes but none of their activations.
-The first unpack in a backward pass re-runs ``fn`` once for that pass and
-collects the values of the handles still alive, stopping at the last of them.
+The forward runs ``fn`` under saved-tensor hooks. Of what autograd saves, the
+region's inputs are kept by reference (an inner region hands them to the region
+around it instead); everything else is packed as a `_Handle`, so autograd keeps
+the graph's nodes but none of those activations. The first unpack of a handle in
+a backward pass re-runs ``fn`` once for that pass and collects the values of the
+handles still alive, stopping right after the last of them. Outputs the policy
+keeps are replayed in that re-run instead of computed (see ``_keep``).
 """
 
 from __future__ import annotations
@@ -12,22 +14,33 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _functorch, _torch_private
-from ._errors import RecomputeError, TraceEntry, debugging, describe, diff_traces, source_line
+from . import _functorch, _introspect, _torch_private
+from ._dispatch import OpMode, quiet
+from ._errors import (
+    RecomputeError,
+    TraceEntry,
+    debugging,
+    describe_meta,
+    diff_traces,
+    node_op,
+)
+from ._keep import Keeper, Replayer
 from ._modules import ModuleState
-from ._rng import RngCapture, RngReplay, is_random
+from ._policies import Policy
+from ._rng import RngCapture
 
-__all__ = ["Region"]
+__all__ = ["Region", "running_region"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+_local = threading.local()
 
 
 class _Handle:
@@ -39,20 +52,89 @@ class _Handle:
         self.index = index
 
 
-class _Kept:
-    """An input autograd saved, kept by reference with its version.
+class _Kept(NamedTuple):
+    """An input autograd saved, by reference; autograd skips version checks for hooks."""
 
-    Autograd skips its own version check for values packed by hooks.
-    """
+    tensor: torch.Tensor
+    version: int
 
-    __slots__ = ("tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
+class _Outer:
+    """An inner region's input, handed to the region around it (as autograd would)."""
+
+    __slots__ = ("packed", "requires_grad", "unpack")
+
+    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], t: Any) -> None:
+        self.packed, self.unpack = pack(t), unpack
+        self.requires_grad = t.requires_grad
+
+    def get(self) -> torch.Tensor:
+        """The value, requiring grad as it did in the forward, for a recompute to record."""
+        value: torch.Tensor = self.unpack(self.packed)
+        # A dead wrapper is re-wrapped (requiring grad) when the recompute re-creates its level.
+        needs_grad = self.requires_grad and not value.requires_grad
+        if needs_grad and not _torch_private.is_dead_wrapper(value):
+            value = _torch_private.requiring_grad(value)
+        return value
+
+
+class _Given:
+    """A released value, remembered weakly by its memory: alive only while autograd holds it."""
+
+    __slots__ = ("dtype", "geometry", "storage")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.storage = weakref.ref(t.untyped_storage())
+        self.geometry = (t.storage_offset(), t.shape, t.stride())
+        self.dtype = t.dtype
+
+    def get(self) -> torch.Tensor | None:
+        storage = self.storage()
+        if storage is None:
+            return None
+        offset, shape, stride = self.geometry
+        with quiet():
+            empty = torch.empty(0, dtype=self.dtype, device=storage.device)
+            return empty.set_(storage, offset, shape, stride)
 
 
 class _Stop(BaseException):
     """Raised by the recompute's pack hook once every needed value exists."""
+
+
+class _Meta(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    producer: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Meta:
+        node = t.grad_fn
+        producer = f"output of {node_op(node)}" if node else "a tensor with no autograd history"
+        return cls(t.shape, t.dtype, t.device, producer)
+
+    def __str__(self) -> str:
+        return f"{self.producer}, {describe_meta(self.shape, self.dtype, self.device)}"
+
+
+@contextlib.contextmanager
+def _running(
+    region: Region | None, pack: Callable[[Any], Any], fetch: Callable[..., Any], levels: Any
+) -> Iterator[None]:
+    """Register a running forward or recompute, innermost last, on this thread."""
+    stack = _local.__dict__.setdefault("running", [])
+    stack.append((region, pack, fetch, levels))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def running_region() -> Region | None:
+    """The innermost region whose forward is running on this thread."""
+    stack = getattr(_local, "running", ())
+    return stack[-1][0] if stack else None
 
 
 def _autocast_state() -> tuple[Any, ...]:
@@ -72,78 +154,40 @@ def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
         yield
 
 
-def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.shape, t.dtype, t.device)
-
-
-def _producer(t: torch.Tensor) -> str:
-    node = t.grad_fn
-    if node is None:
-        return "a tensor with no autograd history"
-    name = node.name()
-    return f"the output of {name.removesuffix('Backward0').removesuffix('Backward1')}"
-
-
-class _OpMode(TorchDispatchMode):
-    """Sees every aten op of a forward or recompute: RNG, and the debug trace."""
-
-    def __init__(
-        self,
-        capture: RngCapture | None,
-        replay: RngReplay | None,
-        trace: list[TraceEntry] | None,
-    ) -> None:
-        super().__init__()
-        self.capture, self.replay, self.trace = capture, replay, trace
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if is_random(func):
-            if self.capture is not None:
-                self.capture.before(args, kwargs)
-            if self.replay is not None:
-                out = self.replay.call(func, args, kwargs)
-                self._record(func, out)
-                return out
-        out = func(*args, **kwargs)
-        self._record(func, out)
-        return out
-
-    def _record(self, func: Any, out: Any) -> None:
-        if self.trace is not None:
-            first = out[0] if isinstance(out, (tuple, list)) and out else out
-            self.trace.append(TraceEntry(str(func.overloadpacket), describe(first), source_line()))
-
-
 class Region:
     """One call of a remat'd function: its forward, and its recomputes."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        call: tuple[tuple[Any, ...], dict[str, Any]],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
-        paths: Callable[[], list[str]],
+        policy: Policy,
         preserve_rng: bool,
         check: bool,
     ) -> None:
-        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.fn = fn
+        self.call: Any = call
         self.tensors = inputs
-        self.modules = modules
         self.inputs = {id(t): t for t in inputs}
-        self.versions = [(t, t._version) for t in inputs]
-        self.paths = paths
+        self.versions = [t._version for t in inputs]
+        self.modules = modules
         self.check = check
         self.handles: list[weakref.ref[_Handle]] = []
-        self.meta: list[tuple[Any, ...]] = []
-        self.producers: list[str] = []
+        self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
+        self.meta: list[_Meta] = []
         self.passes: dict[int, dict[int, torch.Tensor]] = {}
+        self.given: dict[int, dict[int, _Given]] = {}
+        self.saved_inputs: set[int] = set()
         self.autocast = _autocast_state()
         self.rng = RngCapture() if preserve_rng else None
+        collecting = _introspect.current() is not None
+        self.keeper = Keeper(policy, collecting) if policy.per_op else None
         self.trace: list[TraceEntry] | None = [] if debugging() else None
         self.levels = _functorch.Levels.capture(inputs)
+
+    # The forward.
 
     def forward(self) -> Any:
         with contextlib.ExitStack() as stack:
@@ -151,31 +195,125 @@ class Region:
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-            if self.rng is not None or self.trace is not None:
-                stack.enter_context(_OpMode(self.rng, None, self.trace))
-            out = self.fn(*self.args, **self.kwargs)
+            stack.enter_context(_running(self, self._pack, self._fetch, self.levels.stack))
+            if self.rng is not None or self.keeper is not None or self.trace is not None:
+                stack.enter_context(OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace))
+            out = self.fn(*self.call[0], **self.call[1])
+            outer = self._enclosing()
+            if outer is not None:
+                self._hand_over_inputs(outer)
+        if self.keeper is not None:
+            self.keeper.finish()
         if self.levels:
             self.levels.watch_outputs(out)
+        records = _introspect.current()
+        if records is not None:
+            records.extend(self._residuals())
         return out
 
-    def _is_input(self, t: torch.Tensor) -> bool:
-        return self.inputs.get(id(t)) is t
+    def _hand_over_inputs(self, outer: tuple[Any, ...]) -> None:
+        """Inside another region, hold no input: the outer region saves them for us."""
+        _, pack, unpack, _ = outer
+        slots = {id(t): _Outer(pack, unpack, t) for t in self.tensors}
+        self.call = optree.tree_map(
+            lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x,
+            self.call,
+            none_is_leaf=True,
+        )
+        self.tensors, self.inputs, self.versions = [], {}, []
+
+    def _inputs(self) -> tuple[Any, list[torch.Tensor]]:
+        """The call and its tensor inputs, fetched back from an outer region if handed over."""
+        if self.tensors or not self.inputs_handed_over():
+            return self.call, self.tensors
+        fetched: dict[int, torch.Tensor] = {}
+
+        def fetch(x: Any) -> Any:
+            if not isinstance(x, _Outer):
+                return x
+            if id(x) not in fetched:  # one tensor passed twice is handed over once
+                fetched[id(x)] = x.get()
+            return fetched[id(x)]
+
+        call = optree.tree_map(fetch, self.call, none_is_leaf=True)
+        leaves: list[Any] = optree.tree_leaves(call, none_is_leaf=True)
+        return call, [t for t in leaves if isinstance(t, torch.Tensor)]
+
+    def inputs_handed_over(self) -> bool:
+        leaves: list[Any] = optree.tree_leaves(self.call, none_is_leaf=True)
+        return any(isinstance(x, _Outer) for x in leaves)
+
+    def paths(self) -> list[str]:
+        return _introspect.input_paths(self.fn, self.call, (torch.Tensor, _Outer))
+
+    def _residuals(self) -> Iterator[tuple[Any, _introspect.Residual]]:
+        paths = self.paths()
+        for i, t in enumerate(self.tensors):
+            if id(t) in self.saved_inputs:
+                yield _introspect.residual(t, "input", None, None, f"argument {paths[i]}")
+        if self.keeper is None:
+            return
+        keeper = self.keeper
+        for index, (out, _) in keeper.kept.items():
+            op = keeper.ops[index]
+            kind = "offloaded" if index in keeper.offload else "saved"
+            name = ", ".join(sorted(keeper.tags.get(index, ()))) or None
+            where = f"output of {op.overloadpacket} at {(keeper.sources or {}).get(index, '?')}"
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    yield _introspect.residual(t, kind, op, name, where)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._is_input(t):
-            return _Kept(t)
+        if self.inputs.get(id(t)) is t:
+            self.kinds.append(0)
+            outer = self._enclosing()
+            if outer is not None:
+                return _Outer(outer[1], outer[2], t)
+            self.saved_inputs.add(id(t))
+            return _Kept(t, t._version)
+        if self.keeper is not None:
+            self.keeper.note_saved(t)
+        self.kinds.append(1)
         handle = _Handle(len(self.handles))
         self.handles.append(weakref.ref(handle))
         if self.check:
-            self.meta.append(_meta(t))
-            self.producers.append(_producer(t))
+            self.meta.append(_Meta.of(t))
         return handle
 
+    def _enclosing(self) -> tuple[Any, ...] | None:
+        """The forward or recompute running around this region's forward, at its levels.
+
+        Under torch.func transforms the inner region keeps its inputs: autograd may
+        save at another level than the outer region's, and batched values do not
+        survive the hand-over.
+        """
+        if self.levels:
+            return None
+        running = _local.running
+        for i in range(len(running) - 1, 0, -1):
+            if running[i][0] is self:
+                outer = running[i - 1]
+                return None if outer[3] else outer
+        return None
+
+    # Backward.
+
     def _unpack(self, packed: Any) -> torch.Tensor:
+        """Autograd's unpack hook: `_fetch`, then what functorch's own pass should see."""
+        value = self._fetch(packed)
+        if not self.levels or not isinstance(packed, _Handle):
+            return value
+        with quiet():
+            return self.levels.for_backward(value)
+
+    def _fetch(self, packed: Any) -> torch.Tensor:
+        """The value behind what `_pack` returned (recomputing the region if needed)."""
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
                 self._check_inputs()
             return packed.tensor
+        if isinstance(packed, _Outer):
+            return packed.get()
         key = _torch_private.current_graph_task_id()
         values = self.passes.get(key) if key != -1 else None
         if values is None:
@@ -185,20 +323,31 @@ class Region:
                 _torch_private.queue_end_of_backward_callback(
                     functools.partial(self._end_pass, key)
                 )
-        try:
-            value = values.pop(packed.index)
-        except KeyError:
-            raise RuntimeError(
-                "`remat`: a saved value was unpacked twice in one backward pass. Read "
-                "`ctx.saved_tensors` once per backward, or use `policy='save_everything'`."
-            ) from None
-        return self.levels.for_backward(value) if self.levels else value
+        value = values.pop(packed.index, None)
+        if value is None:
+            value = self._unpacked_again(packed, key)
+        elif not self.levels and key != -1:
+            self.given.setdefault(key, {})[packed.index] = _Given(value)
+        return value
 
     def _end_pass(self, key: int) -> None:
         self.passes.pop(key, None)
+        self.given.pop(key, None)
+
+    def _unpacked_again(self, packed: _Handle, key: int) -> torch.Tensor:
+        """A value unpacked twice in one pass (in-place ops on views can do this).
+
+        Values are released at their first unpack: a second one gets the same
+        memory back while autograd still holds it, or else is recomputed alone.
+        """
+        given = self.given.get(key, {}).get(packed.index)
+        value = given.get() if given is not None else None
+        if value is None:
+            value = self._recompute(only=packed.index)[packed.index]
+        return value
 
     def _check_inputs(self) -> None:
-        for i, (t, version) in enumerate(self.versions):
+        for i, (t, version) in enumerate(zip(self.tensors, self.versions, strict=True)):
             if t._version != version:
                 raise RuntimeError(
                     f"`remat`: argument {self.paths()[i]} was modified in place between the "
@@ -207,80 +356,90 @@ class Region:
                     "after the backward."
                 )
 
-    def _recompute(self) -> dict[int, torch.Tensor]:
-        needed = {i for i, ref in enumerate(self.handles) if ref() is not None}
+    def _recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
+        if only is None:
+            needed = {i for i, ref in enumerate(self.handles) if ref() is not None}
+        else:
+            needed = {only}
         if not needed:
             return {}
         self._check_inputs()
         last = max(needed)
         values: dict[int, torch.Tensor] = {}
+        packs = iter(self.kinds)
         counter = itertools.count()
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
         replay = self.rng.replay() if self.rng is not None else None
+        replayer = Replayer(self.keeper) if self.keeper is not None else None
         with contextlib.ExitStack() as stack:
-            replant = stack.enter_context(self.levels.restore(self.tensors))
+            stack.enter_context(torch.enable_grad())
+            call, tensors = self._inputs()
+            replant = stack.enter_context(self.levels.restore(tensors))
             if self.modules is not None:
                 stack.enter_context(self.modules.pinned())
-            call: Any = (self.args, self.kwargs)
-            inputs = self.inputs
+            # Under re-created levels, a value wrapped at one dies with it and then acts
+            # as its contents, as the forward's own (dead) wrapper does.
             keep = _torch_private.detach_outermost if self.levels else torch.Tensor.detach
             if replant is not None:
-                swap = {id(a): b for a, b in zip(self.tensors, replant.inputs, strict=True)}
+                swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
                 call = optree.tree_map(lambda x: swap.get(id(x), x), call, none_is_leaf=True)
-                inputs = {id(t): t for t in replant.inputs}
-                keep = replant.keep
 
             def pack(t: torch.Tensor) -> Any:
-                if inputs.get(id(t)) is t:
-                    return t
-                i = next(counter)
-                if self.check:
-                    self._compare(i, t, trace)
-                if i in needed:
-                    values[i] = keep(t)
+                # The forward decided, pack by pack, what to rebuild: follow it in order.
+                with quiet():
+                    if not next(packs, 1):
+                        return t
+                    i = next(counter)
+                    if self.check:
+                        self._compare(i, t, trace, producers=replant is None)
+                    value = keep(t)
+                    if i in needed:
+                        values[i] = value
                 if i == last:
                     raise _Stop
-                return t
+                return value
 
-            stack.enter_context(torch.enable_grad())
             stack.enter_context(_torch_private.region_running())
             stack.enter_context(_autocast(self.autocast))
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
+            stack.enter_context(_running(None, pack, _identity, self.levels.stack))
             if replay is not None:
                 stack.enter_context(replay)
-            if replay is not None or trace is not None:
-                stack.enter_context(_OpMode(None, replay, trace))
+            if replay is not None or replayer is not None or trace is not None:
+                stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
             try:
                 self.fn(*call[0], **call[1])
             except _Stop:
                 return values
         saved = next(counter)
-        what = f" ({self.producers[saved]})" if self.check else ""
         raise RecomputeError(
             f"`remat`: the recompute saved {saved} values for backward but the forward saved "
-            f"{len(self.handles)}; value #{saved}{what} was never rebuilt. `fn` must run the "
-            "same ops each time it is called." + self._diff(trace)
+            f"{len(self.handles)}; value #{saved}"
+            + (f" ({self.meta[saved]})" if self.check else "")
+            + " was never rebuilt. `fn` must run the same ops each time it is called."
+            + self._diff(trace)
         )
 
-    def _compare(self, i: int, t: torch.Tensor, trace: list[TraceEntry] | None) -> None:
+    def _compare(
+        self, i: int, t: torch.Tensor, trace: list[TraceEntry] | None, producers: bool
+    ) -> None:
+        # Inputs re-wrapped at re-created levels have no history there: skip producers.
+        meta = _Meta.of(t)
         if i >= len(self.meta):
             raise RecomputeError(
                 f"`remat`: the recompute saved more values than the forward ({len(self.meta)}); "
-                f"extra value #{i} is {_producer(t)}, {describe(t)}." + self._diff(trace)
+                f"the extra one is {meta}. `fn` must run the same ops each time it is called."
+                + self._diff(trace)
             )
-        if _meta(t) != self.meta[i]:
-            shape, dtype, device = self.meta[i]
-            forward = describe(torch.empty(shape, dtype=dtype, device="meta")).replace(
-                "meta", str(device)
-            )
+        if meta[: 3 + producers] != self.meta[i][: 3 + producers]:
             raise RecomputeError(
-                f"`remat`: recompute diverged at saved value #{i}. Forward: {self.producers[i]}, "
-                f"{forward}. Recompute: {_producer(t)}, {describe(t)}. `fn` must run the same "
-                "ops on the same shapes each time; wrap the backward in `remat.debug()` for "
-                "both op sequences (the forward must run inside it), or pass "
-                "`check='none'` to skip this comparison." + self._diff(trace)
+                f"`remat`: the recompute diverged from the forward at saved value #{i}. "
+                f"Forward: {self.meta[i]}. Recompute: {meta}. `fn` must run the same ops on "
+                "the same shapes each time it is called. Run the forward inside "
+                "`remat.debug()` to see both op sequences, or pass `check='none'` to skip "
+                "this comparison." + self._diff(trace)
             )
 
     def _diff(self, trace: list[TraceEntry] | None) -> str:

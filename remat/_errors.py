@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -11,7 +12,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["RecomputeError", "TraceEntry", "debug", "debugging", "describe", "source_line"]
+__all__ = [
+    "RecomputeError",
+    "TraceEntry",
+    "debug",
+    "debugging",
+    "describe",
+    "describe_meta",
+    "node_op",
+    "diff_traces",
+    "source_line",
+]
 
 _local = threading.local()
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
@@ -66,12 +77,22 @@ def source_line() -> str:
     return "?"
 
 
+def node_op(node: Any) -> str:
+    """The aten op behind an autograd node, by name: ``AddmmBackward0`` -> ``aten.addmm``."""
+    name = node.name().rstrip("0123456789").removesuffix("Backward")
+    return "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def describe_meta(shape: Any, dtype: torch.dtype, device: torch.device) -> str:
+    """Short tensor metadata for messages: ``float64[4, 8] on cpu``."""
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+
+
 def describe(value: Any) -> str:
-    """Short metadata of a tensor for messages: ``float64[4, 8] on cpu``."""
+    """`describe_meta` of a tensor, or the type name of anything else."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
-    dtype = str(value.dtype).removeprefix("torch.")
-    return f"{dtype}{list(value.shape)} on {value.device}"
+    return describe_meta(value.shape, value.dtype, value.device)
 
 
 class TraceEntry(NamedTuple):

@@ -183,20 +183,6 @@ class Replant:
             hit = self._closures[id(t)] = (t, inner)
         return hit[1]
 
-    def keep(self, t: torch.Tensor) -> torch.Tensor:
-        """A value saved during the recompute, detached from the level that saved it.
-
-        Wrapped at a re-created grad level, it dies with that level and then acts
-        as its contents, just like the forward's own (dead) wrapper would.
-        """
-        level = tp.wrapper_level(t)
-        if any(kind == "Vmap" and new == level for _, kind, new in self.recreated):
-            raise NotImplementedError(
-                "`remat`: a value saved inside an exited `vmap` is needed by a backward "
-                "outside it; run that backward inside the `vmap`."
-            )
-        return tp.detach_outermost(t)
-
 
 class _ClosureMode(TorchFunctionMode):
     def __init__(self, replant: Replant) -> None:

@@ -29,7 +29,7 @@ class ModuleState:
 
     @classmethod
     def capture(cls, fn: Callable[..., Any], leaves: list[Any]) -> ModuleState | None:
-        modules = [leaf for leaf in leaves if isinstance(leaf, nn.Module)]
+        modules = [leaf for leaf in [fn, *leaves] if isinstance(leaf, nn.Module)]
         owner = getattr(fn, "__self__", None)
         if isinstance(owner, nn.Module):
             modules.append(owner)

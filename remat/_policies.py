@@ -1,4 +1,9 @@
-"""Policies: what a remat region keeps for backward, and what it recomputes."""
+"""Policies: what a remat region keeps for backward, and what it recomputes.
+
+A policy is data: a frozen dataclass with ``__call__(OpCall) -> Decision | bool``.
+The engine asks it about the outputs of every aten op of a region's forward
+(random, in-place and view ops excepted: they are always recomputed).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +12,32 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 __all__ = [
     "Decision",
     "OpCall",
     "Policy",
+    "offload",
     "resolve",
+    "save_all_but_names",
     "save_everything",
+    "save_matmuls",
+    "save_matmuls_no_batch",
+    "save_names",
     "save_nothing",
+    "save_ops",
 ]
 
+aten = torch.ops.aten
 
-class Decision(enum.Enum):
-    """What a policy decides for the output of one op."""
 
-    SAVE = "save"
-    RECOMPUTE = "recompute"
-    OFFLOAD = "offload"
+class Decision(enum.IntEnum):
+    """What a policy decides for the output of one op (ordered: keep strength)."""
+
+    RECOMPUTE = 0
+    OFFLOAD = 1
+    SAVE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +46,10 @@ class OpCall:
 
     Attributes:
         op: the aten ``OpOverload`` that ran.
-        args: its positional arguments.
+        args: its positional arguments (empty when asked again by `remat.name`).
         kwargs: its keyword arguments.
         output: what it returned.
-        names: the tags (from `remat.name`) carried by its output.
+        names: the tags given to its output with `remat.name`.
     """
 
     op: Any
@@ -44,68 +59,265 @@ class OpCall:
     names: frozenset[str] = frozenset()
 
 
-class Policy:
-    """Base class of policy objects: data with a ``__call__`` on `OpCall`.
+def as_decision(policy: Any, result: Any, op: Any) -> Decision:
+    if isinstance(result, Decision):
+        return result
+    if isinstance(result, bool):
+        return Decision.SAVE if result else Decision.RECOMPUTE
+    raise TypeError(
+        f"`remat`: a policy must return a bool or a `remat.policies.Decision`, but "
+        f"{policy!r} returned {result!r} for {op}."
+    )
 
-    Subclasses are frozen dataclasses. ``keeps_everything`` marks a policy under
-    which the region is just ``fn`` (nothing is recomputed); ``per_op`` says
-    whether the engine must show the policy every op of the forward.
+
+class Policy:
+    """Base of policy objects. Combine them with ``|`` (either keeps) and ``&`` (both keep).
+
+    ``keeps_everything`` marks a policy under which a region is just ``fn``;
+    ``per_op`` says whether the engine must show the policy each op;
+    ``device`` is where `offload` moves what it keeps.
     """
 
     keeps_everything: bool = False
     per_op: bool = True
+    device: torch.device | None = None
 
     def __call__(self, call: OpCall) -> Decision | bool:
         raise NotImplementedError
 
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        """The decision for one op; ``call`` builds the `OpCall` only if needed."""
+        return as_decision(self, self(call()), op)
 
-@dataclasses.dataclass(frozen=True)
-class _SaveNothing(Policy):
-    """Keep only the region's inputs; recompute every intermediate."""
+    def __or__(self, other: Policy) -> Policy:
+        return _Either(self, resolve(other))
 
-    per_op = False
+    def __and__(self, other: Policy) -> Policy:
+        return _Both(self, resolve(other))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Named(Policy):
+    """A policy given by name; ``ops`` (when set) is its whole logic."""
+
+    name: str
+    ops: frozenset[Any] = frozenset()
+    keep: Decision = Decision.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_op", bool(self.ops))
+        object.__setattr__(self, "keeps_everything", self.keep is Decision.SAVE)
 
     def __call__(self, call: OpCall) -> Decision:
+        return self.decide(call.op, lambda: call)
+
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        if op in self.ops or getattr(op, "overloadpacket", None) in self.ops:
+            return Decision.SAVE
+        return self.keep
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_NO_BATCH = frozenset({aten.mm, aten.addmm, aten.mv, aten.addmv, aten.dot, aten.vdot})
+_BATCHED = frozenset(
+    {
+        aten.bmm,
+        aten.baddbmm,
+        aten._scaled_mm,
+        aten.convolution,
+        aten._convolution,
+        aten.cudnn_convolution,
+        aten.mkldnn_convolution,
+        aten.convolution_overrideable,
+    }
+)
+
+save_nothing: Policy = _Named("save_nothing")
+"""Keep only the region's inputs; recompute every intermediate (the default)."""
+
+save_everything: Policy = _Named("save_everything", keep=Decision.SAVE)
+"""Keep what plain autograd keeps: the region costs what ``fn`` costs."""
+
+save_matmuls: Policy = _Named("save_matmuls", _NO_BATCH | _BATCHED)
+"""Keep the outputs of matrix products and convolutions; replay them in the recompute.
+
+Covers ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``, ``dot``,
+``_scaled_mm`` and ``convolution``: ``matmul``, ``linear``, ``einsum`` and
+``conv*d`` run as these ops.
+"""
+
+save_matmuls_no_batch: Policy = _Named("save_matmuls_no_batch", _NO_BATCH)
+"""Like `save_matmuls`, for products without batch dimensions only.
+
+``linear`` on inputs of any rank runs as ``mm``/``addmm`` and is kept; batched
+products (``bmm``, ``baddbmm``: attention scores) are recomputed.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class save_ops(Policy):  # noqa: N801 - a policy factory, named like its siblings
+    """Keep the outputs of the given aten ops (``OpOverload`` or ``OpOverloadPacket``).
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> f = remat(lambda x: x.sin().exp(), policy=policies.save_ops(torch.ops.aten.sin))
+    """
+
+    ops: frozenset[Any]
+
+    def __init__(self, *ops: Any) -> None:
+        for op in ops:
+            if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                raise TypeError(
+                    f"`save_ops` takes aten ops such as `torch.ops.aten.mm`, got {op!r}."
+                )
+        object.__setattr__(self, "ops", frozenset(ops))
+
+    def __call__(self, call: OpCall) -> Decision:
+        return self.decide(call.op, lambda: call)
+
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        if op in self.ops or getattr(op, "overloadpacket", None) in self.ops:
+            return Decision.SAVE
         return Decision.RECOMPUTE
 
-    def __repr__(self) -> str:
-        return "save_nothing"
+
+def _check_names(factory: str, names: tuple[str, ...]) -> frozenset[str]:
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"`{factory}` takes names (str), got {name!r}.")
+    return frozenset(names)
 
 
 @dataclasses.dataclass(frozen=True)
-class _SaveEverything(Policy):
-    """Keep what plain autograd keeps: the region costs what ``fn`` costs."""
+class save_names(Policy):  # noqa: N801
+    """Keep only the tensors tagged with one of ``names`` by `remat.name`."""
 
-    keeps_everything = True
-    per_op = False
+    names: frozenset[str]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", _check_names("save_names", names))
+
+    def __call__(self, call: OpCall) -> bool:
+        return bool(call.names & self.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class save_all_but_names(Policy):  # noqa: N801
+    """Keep every op output except tensors tagged with one of ``names``.
+
+    Unlike JAX's ``save_anything_except_these_names``, this is not a no-op: the
+    named tensors are recomputed, and of the rest only what a backward reads
+    (directly, or to recompute the named ones) is held.
+    """
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", _check_names("save_all_but_names", names))
+
+    def __call__(self, call: OpCall) -> bool:
+        return not call.names & self.names
+
+
+@dataclasses.dataclass(frozen=True)
+class offload(Policy):  # noqa: N801
+    """Move what ``policy`` keeps to ``device`` (pinned memory from CUDA), and back on use.
+
+    The copy to ``device`` is issued at the end of the region's forward; on the
+    way back, values are copied to their device when the recompute or a
+    backward formula reads them.
+    """
+
+    policy: Policy
+    device: torch.device
+
+    def __init__(self, policy: Any, device: str | torch.device = "cpu") -> None:
+        object.__setattr__(self, "policy", resolve(policy))
+        object.__setattr__(self, "device", torch.device(device))
+
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        decision = self.policy.decide(op, call)
+        return Decision.OFFLOAD if decision is Decision.SAVE else decision
 
     def __call__(self, call: OpCall) -> Decision:
-        return Decision.SAVE
+        return self.decide(call.op, lambda: call)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Either(Policy):
+    left: Policy
+    right: Policy
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", self.left.device or self.right.device)
+
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        return max(self.left.decide(op, call), self.right.decide(op, call))
+
+    def __call__(self, call: OpCall) -> Decision:
+        return self.decide(call.op, lambda: call)
 
     def __repr__(self) -> str:
-        return "save_everything"
+        return f"({self.left!r} | {self.right!r})"
 
 
-save_nothing: Policy = _SaveNothing()
-save_everything: Policy = _SaveEverything()
+@dataclasses.dataclass(frozen=True)
+class _Both(Policy):
+    left: Policy
+    right: Policy
 
-_NAMED: dict[str, Policy] = {"save_nothing": save_nothing, "save_everything": save_everything}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", self.left.device or self.right.device)
+
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        return min(self.left.decide(op, call), self.right.decide(op, call))
+
+    def __call__(self, call: OpCall) -> Decision:
+        return self.decide(call.op, lambda: call)
+
+    def __repr__(self) -> str:
+        return f"({self.left!r} & {self.right!r})"
 
 
-def resolve(policy: str | Policy | Callable[[OpCall], Decision | bool]) -> Policy:
+@dataclasses.dataclass(frozen=True)
+class _Custom(Policy):
+    """A user's callable on `OpCall`."""
+
+    fn: Callable[[OpCall], Decision | bool]
+
+    def __call__(self, call: OpCall) -> Decision | bool:
+        return self.fn(call)
+
+    def __repr__(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+NAMED: dict[str, Policy] = {
+    repr(p): p for p in (save_nothing, save_everything, save_matmuls, save_matmuls_no_batch)
+}
+
+
+def resolve(policy: Any) -> Policy:
     """Turn what the user passed as ``policy=`` into a policy object."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
         try:
-            return _NAMED[policy]
+            return NAMED[policy]
         except KeyError:
-            valid = ", ".join(repr(name) for name in sorted(_NAMED))
+            valid = ", ".join(repr(name) for name in sorted(NAMED))
             raise ValueError(
                 f"`remat`: unknown policy {policy!r}. Valid names: {valid}. "
                 "Pass one of these, or a policy object from `remat.policies`."
             ) from None
+    if callable(policy) and not isinstance(policy, type):
+        return _Custom(policy)
     raise TypeError(
-        f"`remat`: `policy` must be a policy name (str) or a policy object from "
-        f"`remat.policies`, got {policy!r} of type {type(policy).__name__}."
+        f"`remat`: `policy` must be a policy name (str), a policy object from "
+        f"`remat.policies`, or a callable taking an `OpCall`; got {policy!r} of type "
+        f"{type(policy).__name__}."
     )

@@ -31,11 +31,13 @@ __all__ = [
     "top_grad_level",
     "add_batch_dim",
     "unwrap",
+    "unwrap_all",
     "wrapper_chain",
     "wrapper_level",
     "wrap_for_grad",
     "queue_end_of_backward_callback",
     "region_running",
+    "requiring_grad",
     "saved_tensors_hooks_enabled",
 ]
 
@@ -49,7 +51,7 @@ def current_graph_task_id() -> int:
     return int(torch._C._current_graph_task_id())
 
 
-def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+def queue_end_of_backward_callback(callback: Callable[[], Any]) -> None:
     """Run ``callback`` when the current backward pass finishes.
 
     Lets a pass drop recomputed values it never unpacked (``inputs=`` can leave
@@ -74,8 +76,8 @@ def saved_tensors_hooks_enabled() -> Iterator[None]:
     torch._C._autograd._saved_tensors_hooks_enable()
     try:
         yield
-    finally:
-        torch._C._autograd._saved_tensors_hooks_disable(message)
+    finally:  # back to the disabled state, even with an outer region's hooks pushed
+        torch._C._autograd._saved_tensors_hooks_disable(message, False)
 
 
 _regions = threading.local()
@@ -171,6 +173,13 @@ def unwrap(t: torch.Tensor) -> torch.Tensor:
     return _F.get_unwrapped(t)
 
 
+def unwrap_all(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside all of ``t``'s functorch wrappers."""
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    return t
+
+
 @contextlib.contextmanager
 def levels_popped(count: int) -> Iterator[None]:
     """Temporarily pop the ``count`` innermost transform levels."""
@@ -260,6 +269,14 @@ def dead_twin(t: torch.Tensor, level: int) -> torch.Tensor:
     with new_grad_level() as temporary:
         twin = _F._wrap_for_grad(inner, temporary)
     return twin
+
+
+def requiring_grad(t: torch.Tensor) -> torch.Tensor:
+    """A leaf alias of ``t`` that requires grad at ``t``'s outermost level."""
+    if not _F.is_gradtrackingtensor(t):
+        return t.detach().requires_grad_()
+    level = _F.maybe_get_level(t)
+    return wrap_for_grad(_F._unwrap_for_grad(t, level), level, requires_grad=True)
 
 
 def detach_outermost(t: torch.Tensor) -> torch.Tensor:

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import optree
 import torch
 
-from ._engine import Region
+from . import _torch_private
+from ._engine import Region, running_region
 from ._modules import ModuleState
 from ._policies import OpCall, Policy, resolve
 
-__all__ = ["remat"]
+__all__ = ["name", "remat"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 _CHECKS = ("shapes", "none")
 
 PolicyLike = str | Policy | Callable[[OpCall], Any]
@@ -112,34 +113,35 @@ def remat(
         leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         modules = ModuleState.capture(fn, leaves)
-        paths = functools.partial(_input_paths, fn, args, kwargs)
-        region = Region(fn, args, kwargs, inputs, modules, paths, preserve_rng, compare)
+        region = Region(fn, (args, kwargs), inputs, modules, resolved, preserve_rng, compare)
         return region.forward()
 
     wrapper.policy = resolved  # type: ignore[attr-defined]
     return wrapper
 
 
-def _input_paths(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[str]:
-    """Readable paths of the tensor leaves of ``(args, kwargs)``, like ``x['a'][0]``."""
-    try:
-        names = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        names = []
-    tree: Any = (args, kwargs)
-    paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    out = []
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        where, first, *rest = path
-        if where == 1:
-            head = str(first)
-        elif first < len(names) and names[first] not in ("args", "self"):
-            head = names[first]
-        else:
-            head = f"args[{first}]"
-        out.append(f"`{head}{''.join(f'[{k!r}]' for k in rest)}`")
-    return out
+def name(tree: _T, name: str) -> _T:
+    """Tag the tensors of ``tree`` with ``name``, for `policies.save_names` and friends.
+
+    An identity function: it returns ``tree`` itself. Inside a remat region the
+    policy is asked again about the op that produced each tensor, now with
+    ``name`` in `OpCall.names`; outside a region it does nothing.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, name, policies
+        >>> @remat(policy=policies.save_names("h"))
+        ... def block(x, w):
+        ...     h = name(torch.tanh(x @ w), "h")
+        ...     return (h @ w).sin()
+        >>> block(torch.randn(2, 3), torch.randn(3, 3, requires_grad=True)).sum().backward()
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"`remat.name`: `name` must be a str, got {name!r}.")
+    region = running_region()
+    if region is not None and region.keeper is not None:
+        leaves: list[Any] = optree.tree_leaves(tree)  # type: ignore[arg-type]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                region.keeper.tag(_torch_private.unwrap_all(leaf), frozenset((name,)))
+    return tree

@@ -45,7 +45,8 @@ def _mix(tree):
 def _softmax(tree):
     x, y = tree["x"], tree["y"][0]
     z = torch.softmax(x * 2 + y, dim=-1) if x.dim() else x.sigmoid()
-    return {"out": z * x.exp(), "aux": (z.flip(-1).square(), "tag")}
+    flipped = z.flip(-1) if z.dim() else z
+    return {"out": z * x.exp(), "aux": (flipped.square(), "tag")}
 
 
 def _inner_grad(tree):

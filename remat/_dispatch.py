@@ -1,0 +1,80 @@
+"""The op-level view of a region: one dispatch mode for its forward or its recompute.
+
+It sees every aten op the region runs and does, per op, what is switched on:
+RNG capture (forward) or replay (recompute), the policy's decisions (forward)
+or the replay of kept values (recompute), and the `remat.debug` trace. Ops that
+remat itself issues from its hooks are marked `quiet` and pass straight through,
+so they never shift the op indices that forward and recompute share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._errors import TraceEntry, describe, source_line
+from ._keep import Keeper, Replayer
+from ._rng import RngCapture, RngReplay, is_random
+
+__all__ = ["OpMode", "quiet"]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Ops run inside are remat's own: no region counts, replays or traces them."""
+    _local.quiet = getattr(_local, "quiet", 0) + 1
+    try:
+        yield
+    finally:
+        _local.quiet -= 1
+
+
+class OpMode(TorchDispatchMode):
+    """Sees every aten op of one forward or one recompute."""
+
+    def __init__(
+        self,
+        *,
+        capture: RngCapture | None = None,
+        replay: RngReplay | None = None,
+        keeper: Keeper | None = None,
+        replayer: Replayer | None = None,
+        trace: list[TraceEntry] | None = None,
+    ) -> None:
+        super().__init__()
+        self.capture, self.replay, self.trace = capture, replay, trace
+        self.keeper, self.replayer = keeper, replayer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(_local, "quiet", 0):
+            return func(*args, **kwargs)
+        if self.replayer is not None:
+            hit, out = self.replayer.next()
+            if hit:
+                self._record(func, out)
+                return out
+        if not is_random(func):
+            out = func(*args, **kwargs)
+        else:
+            if self.capture is not None:
+                self.capture.before(args, kwargs)
+            if self.replay is not None:
+                out = self.replay.call(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+        if self.keeper is not None:
+            self.keeper.after(func, args, kwargs, out)
+        self._record(func, out)
+        return out
+
+    def _record(self, func: Any, out: Any) -> None:
+        if self.trace is not None:
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            self.trace.append(TraceEntry(str(func.overloadpacket), describe(first), source_line()))

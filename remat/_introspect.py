@@ -1,0 +1,183 @@
+"""Introspection: what a function keeps for backward, and where it came from."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import optree
+import torch
+
+from ._errors import describe_meta, node_op, source_line
+
+__all__ = ["Residual", "collector", "print_saved_residuals", "saved_residuals"]
+
+_local = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One tensor held for backward after a forward.
+
+    Attributes:
+        shape: its shape.
+        dtype: its dtype.
+        device: where it lives while held (the offload device for ``"offloaded"``).
+        nbytes: bytes of its storage (shared storages are listed once).
+        kind: ``"input"`` (a reference to an argument), ``"saved"`` or ``"offloaded"``.
+        op: the aten op that produced it, or None.
+        name: its `remat.name` tag, or None.
+        source: a short origin, such as ``output of aten.mm at model.py:42``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+    kind: Literal["input", "saved", "offloaded"]
+    op: Any
+    name: str | None
+    source: str
+
+
+Records = list[tuple[Any, Residual]]  # (storage identity, residual)
+
+
+def current() -> Records | None:
+    """Where regions report their residuals, while `saved_residuals` runs."""
+    return getattr(_local, "records", None)
+
+
+@contextlib.contextmanager
+def collector(records: Records) -> Iterator[None]:
+    previous = current()
+    _local.records = records
+    try:
+        yield
+    finally:
+        _local.records = previous
+
+
+def residual(
+    t: torch.Tensor, kind: Any, op: Any, name: str | None, source: str
+) -> tuple[Any, Residual]:
+    """A record, keyed by the storage it holds (listed once however many views share it)."""
+    if _has_storage(t):
+        key: Any = t.untyped_storage().data_ptr()
+        nbytes = t.untyped_storage().nbytes()
+    else:
+        key, nbytes = id(t), t.nbytes
+    return key, Residual(tuple(t.shape), t.dtype, t.device, nbytes, kind, op, name, source)
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    from ._torch_private import wrapper_level
+
+    return wrapper_level(t) == -1
+
+
+def _aten_op(node: Any) -> Any:
+    """The aten op packet behind an autograd node, or None if there is no such op."""
+    return getattr(torch.ops.aten, node_op(node).removeprefix("aten."), None)
+
+
+def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
+    """Run ``fn`` once and list the tensors held for its backward.
+
+    Works on remat'd functions, on functions that contain remat regions, and on
+    plain functions (where it lists what plain autograd keeps).
+
+    Args:
+        fn: the function to run.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        A `Residual` per held tensor storage, inputs first.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> [r.kind for r in remat.saved_residuals(remat.remat(torch.sin), x)]
+        ['input']
+    """
+    records: Records = []
+    tree: Any = (args, kwargs)
+    leaves: list[Any] = optree.tree_leaves(tree)
+    arguments = {id(t): t for t in leaves if isinstance(t, torch.Tensor)}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if arguments.get(id(t)) is t:
+            records.append(residual(t, "input", None, None, "an argument"))
+        elif t.grad_fn is not None:
+            op = _aten_op(t.grad_fn)
+            where = f"output of {op or t.grad_fn.name()} at {source_line()}"
+            records.append(residual(t, "saved", op, None, where))
+        else:
+            records.append(residual(t, "saved", None, None, "a tensor read by closure"))
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with collector(records), torch.enable_grad(), hooks:
+        fn(*args, **kwargs)
+    return _dedupe(records)
+
+
+def _dedupe(records: Records) -> list[Residual]:
+    order = {"input": 0, "saved": 1, "offloaded": 2}
+    seen: dict[Any, Residual] = {}
+    for key, record in sorted(records, key=lambda kr: order[kr[1].kind]):
+        seen.setdefault(key, record)
+    return list(seen.values())
+
+
+def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Print `saved_residuals` as a table, with the total bytes held.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> remat.print_saved_residuals(remat.remat(torch.sin), x)  # doctest: +NORMALIZE_WHITESPACE
+        kind   bytes  tensor                 name  source
+        input  256    float32[8, 8] on cpu   -     argument `args[0]`
+        total: 256 bytes (0 bytes besides inputs)
+    """
+    rows = [
+        (r.kind, str(r.nbytes), describe_meta(r.shape, r.dtype, r.device), r.name or "-", r.source)
+        for r in saved_residuals(fn, *args, **kwargs)
+    ]
+    header = ("kind", "bytes", "tensor", "name", "source")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4]
+        )
+    total = sum(int(row[1]) for row in rows)
+    held = sum(int(row[1]) for row in rows if row[0] != "input")
+    print(f"total: {total} bytes ({held} bytes besides inputs)")
+
+
+def input_paths(fn: Callable[..., Any], call: Any, kinds: tuple[type, ...]) -> list[str]:
+    """Readable paths (like `` `x['a'][0]` ``) of the leaves of ``call`` of the given types."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    paths, leaves, _ = optree.tree_flatten_with_path(call, none_is_leaf=True)
+    out = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, kinds):
+            continue
+        where, first, *rest = path
+        if where == 1:
+            head = str(first)
+        elif first < len(names) and names[first] not in ("args", "self"):
+            head = names[first]
+        else:
+            head = f"args[{first}]"
+        out.append(f"`{head}{''.join(f'[{k!r}]' for k in rest)}`")
+    return out
