@@ -1,0 +1,429 @@
+"""The hook engine's promises, checked by counting what runs and what stays alive."""
+
+import collections
+import gc
+import re
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from remat import _engine, memory, remat
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run while active, by name (``"aten.sin"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _vector(seed=0, n=1000):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+def _nbytes(t):
+    return t.untyped_storage().nbytes()
+
+
+@pytest.fixture
+def regions(monkeypatch):
+    """Weak references to every `Region` constructed while the test runs."""
+    made = []
+    init = _engine.Region.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(weakref.ref(self))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(_engine.Region, "__init__", spy)
+    return made
+
+
+def test_recompute_runs_once_per_backward_pass():
+    """Several saved values unpacked in one backward pass cost one re-run of ``fn``."""
+    calls = collections.Counter()
+
+    def fn(x):
+        calls["fn"] += 1
+        return x.sin().tanh().exp()  # tanh and exp each save their output
+
+    x = _vector()
+    with OpCounter() as forward:
+        y = remat(fn)(x)
+    with OpCounter() as backward:
+        y.sum().backward()
+    assert calls["fn"] == 2
+    assert forward.counts["aten.sin"] == forward.counts["aten.tanh"] == 1
+    assert backward.counts["aten.sin"] == backward.counts["aten.tanh"] == 1
+    assert backward.counts["aten.exp"] == 1
+    assert torch.equal(x.grad, torch.autograd.grad(fn(x).sum(), x)[0])
+
+
+def test_early_stop_skips_work_after_last_saved_value():
+    """Code and ops after the last op that saves a tensor do not run in the recompute."""
+    calls = collections.Counter()
+
+    def fn(x):
+        calls["start"] += 1
+        y = x.sin().exp()
+        calls["after"] += 1
+        return y + 1  # add saves nothing for backward
+
+    x = _vector()
+    y = remat(fn)(x)
+    with OpCounter() as backward:
+        y.sum().backward()
+    assert calls == {"start": 2, "after": 1}
+    assert backward.counts["aten.exp"] == 1
+    assert backward.counts["aten.add"] == 0
+
+
+def test_early_stop_before_op_whose_input_is_last_saved_value():
+    """When the last saved value is an op's input, that op itself is not re-run."""
+
+    def fn(x):
+        return x.exp().sin()  # sin saves its input, before it runs
+
+    x = _vector()
+    y = remat(fn)(x)
+    with OpCounter() as backward:
+        y.sum().backward()
+    assert backward.counts["aten.exp"] == 1
+    assert backward.counts["aten.sin"] == 0
+
+
+def test_retain_graph_recomputes_once_per_pass():
+    """With ``retain_graph=True``, each backward pass re-runs ``fn`` once, same grads."""
+    calls = []
+
+    def fn(x):
+        calls.append(None)
+        return x.sin().tanh().exp()
+
+    x = _vector()
+    y = remat(fn)(x)
+    first = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    assert len(calls) == 2
+    second = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    assert len(calls) == 3
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    assert torch.equal(first[0], expected)
+    assert torch.equal(second[0], expected)
+
+
+SAVES = {
+    "saves-inputs": lambda x: x.sin().cos().sin(),
+    "saves-outputs": lambda x: x.sin().exp().tanh(),
+}
+
+
+@pytest.mark.parametrize("retain_graph", [False, True], ids=["free-graph", "retain-graph"])
+@pytest.mark.parametrize("fn", SAVES.values(), ids=SAVES.keys())
+def test_recomputed_values_released_after_each_pass(fn, retain_graph):
+    """After a backward pass, live bytes return to what the forward left, pass after pass."""
+    x = _vector()
+    with memory.track() as mem:
+        y = remat(fn)(x)
+        after_forward = mem.live
+        for _ in range(2 if retain_graph else 1):
+            (g,) = torch.autograd.grad(y.sum(), x, retain_graph=retain_graph)
+            del g
+            gc.collect()
+            assert mem.live == after_forward
+    assert after_forward == _nbytes(y)
+
+
+def test_grad_inputs_subset_releases_values_it_did_not_unpack():
+    """``autograd.grad(inputs=...)`` on a subset is right and drops the unused values."""
+
+    def fn(x, w):
+        return x.sin().cos() + w.cos().sin()
+
+    x, w = _vector(0), _vector(1)
+    with memory.track() as mem:
+        y = remat(fn)(x, w)
+        after_forward = mem.live
+        (gx,) = torch.autograd.grad(y.sum(), inputs=[x], retain_graph=True)
+        (expected,) = torch.autograd.grad(fn(x, w).sum(), inputs=[x])
+        assert torch.equal(gx, expected)
+        del gx, expected
+        gc.collect()
+        assert mem.live == after_forward
+        (gw,) = torch.autograd.grad(y.sum(), inputs=[w])
+        assert torch.equal(gw, torch.autograd.grad(fn(x, w).sum(), inputs=[w])[0])
+
+
+INPLACE = {
+    "with-intermediates": lambda x, params: (x * params["w"]).sin(),
+    "inputs-only": lambda x, params: x * params["w"],
+}
+
+
+@pytest.mark.parametrize("fn", INPLACE.values(), ids=INPLACE.keys())
+@pytest.mark.parametrize(
+    ("mutate", "name"),
+    [
+        (lambda x, params: x.add_(1), "`x`"),
+        (lambda x, params: params["w"].mul_(2), "`params['w']`"),
+    ],
+    ids=["positional", "nested-keyword"],
+)
+def test_input_modified_in_place_raises_naming_it(fn, mutate, name):
+    """An input modified in place between forward and backward raises, naming the argument."""
+
+    def region(x, params):
+        return fn(x, params)
+
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    params = {"w": torch.randn(5, dtype=torch.float64, requires_grad=True)}
+    y = remat(region)(x, params=params)
+    with torch.no_grad():
+        mutate(x, params)
+    with pytest.raises(RuntimeError, match=re.escape(f"argument {name} was modified in place")):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("forward_autocast", "backward_autocast"),
+    [(True, False), (False, True), (True, True)],
+    ids=["forward-only", "backward-only", "both"],
+)
+def test_autocast_state_is_replayed(forward_autocast, backward_autocast):
+    """The recompute runs under the forward's autocast state, whatever backward runs under."""
+
+    def fn(a, b):
+        return ((a @ b).sin() @ b).cos()
+
+    def run(f):
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(8, 16, generator=gen, requires_grad=True)
+        b = torch.randn(16, 16, generator=gen, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forward_autocast):
+            y = f(a, b)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward_autocast):
+            grads = torch.autograd.grad(y.float().square().sum(), (a, b))
+        return y, grads
+
+    (y, grads), (y_plain, grads_plain) = run(remat(fn)), run(fn)
+    assert y.dtype == (torch.bfloat16 if forward_autocast else torch.float32)
+    assert torch.equal(y, y_plain)
+    for g, g_plain in zip(grads, grads_plain, strict=True):
+        assert torch.equal(g, g_plain)
+
+
+def _nested(calls):
+    @remat
+    def inner(h):
+        calls["inner"] += 1
+        return h.tanh().sigmoid()
+
+    @remat
+    def outer(x):
+        calls["outer"] += 1
+        return inner(x.exp()).log()
+
+    return outer
+
+
+def test_nested_remat_recompute_counts_and_grads():
+    """Per pass: outer re-runs once, inner once inside it and once for its values; same grads."""
+    # inner runs 3 times in all: forward, inside the outer's recompute, its own recompute.
+    calls = collections.Counter()
+    outer = _nested(calls)
+    x = _vector()
+    y = outer(x)
+    assert calls == {"outer": 1, "inner": 1}
+    with OpCounter() as backward:
+        y.sum().backward()
+    assert calls == {"outer": 2, "inner": 3}
+    assert backward.counts["aten.exp"] == 1
+    assert backward.counts["aten.tanh"] == 2
+    assert backward.counts["aten.log"] == 0
+    plain = _vector()
+    plain.exp().tanh().sigmoid().log().sum().backward()
+    assert torch.equal(x.grad, plain.grad)
+
+
+def test_nested_remat_outer_region_holds_only_its_inputs():
+    """An outer region holds no intermediates, not even the inner region's inputs."""
+    outer = _nested(collections.Counter())
+    x = _vector()
+    with memory.track() as mem:
+        y = outer(x)
+        held = mem.live
+    with memory.track() as mem:
+        y_checkpoint = checkpoint(
+            lambda x: checkpoint(lambda h: h.tanh().sigmoid(), x.exp(), use_reentrant=False).log(),
+            x,
+            use_reentrant=False,
+        )
+        held_checkpoint = mem.live
+    assert held_checkpoint == _nbytes(y_checkpoint)
+    assert held == _nbytes(y)
+
+
+def test_no_leak_after_backward(regions):
+    """After backward, every intermediate (forward or recompute) and the Region are freed."""
+    refs = []
+
+    def fn(x):
+        a = x.sin()
+        refs.append(weakref.ref(a))
+        b = a.exp()
+        refs.append(weakref.ref(b))
+        return b.tanh()
+
+    x = _vector()
+    y = remat(fn)(x)
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert len(refs) == 4
+    assert len(regions) == 1
+    assert [r() for r in refs] == [None] * 4
+    assert regions[0]() is None
+
+
+def _train(layers, model, steps):
+    """Live bytes after each of ``steps`` SGD steps, measured across the whole loop."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    lives = []
+    with memory.track() as mem:
+        for _ in range(steps):
+            h = x
+            for layer in layers:
+                h = layer(h)
+            h.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            del h
+            gc.collect()
+            lives.append(mem.live)
+    return lives
+
+
+def test_training_steps_keep_live_bytes_stable():
+    """Repeated training steps through remat'd layers hold the same bytes each step as plain."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(3)]
+    )
+    plain = _train(list(model), model, steps=4)
+    lives = _train([remat(layer) for layer in model], model, steps=4)
+    assert lives == plain
+    assert len(set(lives)) == 1
+
+
+def _thread_fn(x, w, gen):
+    noise = torch.rand(x.shape[0], w.shape[1], generator=gen)
+    return ((x @ w).tanh() * noise).sin() @ w
+
+
+def _thread_job(seed, fn, results, barrier=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    w = torch.randn(16, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    if barrier is not None:
+        barrier.wait()
+    for _ in range(10):
+        x.grad = w.grad = None
+        fn(x, w, gen).square().sum().backward()
+    results[seed] = (x.grad, w.grad, gen.get_state())
+
+
+def test_concurrent_threads_match_sequential_plain():
+    """Four threads running remat regions at once get the grads of sequential plain runs."""
+    expected, got = {}, {}
+    for seed in range(4):
+        _thread_job(seed, _thread_fn, expected)
+    barrier = threading.Barrier(4)
+    wrapped = remat(_thread_fn)
+    threads = [
+        threading.Thread(target=_thread_job, args=(seed, wrapped, got, barrier))
+        for seed in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(4))
+    for seed in range(4):
+        for a, b in zip(got[seed], expected[seed], strict=True):
+            assert torch.equal(a, b)
+
+
+class _Layer(nn.Module):
+    def __init__(self, activation, residual):
+        super().__init__()
+        self.up = nn.Linear(64, 256, dtype=torch.float64)
+        self.down = nn.Linear(256, 64, dtype=torch.float64)
+        self.activation = activation
+        self.residual = residual
+
+    def forward(self, x):
+        h = self.down(self.activation(self.up(x)))
+        return x + h if self.residual else h
+
+
+def _checkpointed(layer):
+    return lambda x: checkpoint(layer, x, use_reentrant=False)
+
+
+def _held_after_forward(layers, x):
+    with memory.track() as mem:
+        h = x
+        for layer in layers:
+            h = layer(h)
+        held = mem.live
+    h.sum().backward()
+    return held
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain-stack", "residual"])
+@pytest.mark.parametrize("activation", [F.relu, F.gelu], ids=["relu", "gelu"])
+def test_memory_held_after_forward_mlp_stack(activation, residual):
+    """An 8-layer MLP with every layer remat'd holds <= 0.2x plain and <= torch checkpoint."""
+    torch.manual_seed(0)
+    layers = [_Layer(activation, residual) for _ in range(8)]
+    x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
+    plain = _held_after_forward(layers, x)
+    torch_checkpoint = _held_after_forward([_checkpointed(layer) for layer in layers], x)
+    held = _held_after_forward([remat(layer) for layer in layers], x)
+    print(
+        f"\n{activation.__name__} residual={residual}: plain {plain} B, "
+        f"torch checkpoint {torch_checkpoint} B, remat {held} B ({held / plain:.3f}x plain)"
+    )
+    assert held * 5 <= plain
+    assert held <= torch_checkpoint
+
+
+def test_dropout_rng_matches_plain():
+    """Dropout: plain's outputs, grads, numbers drawn before backward and final RNG state."""
+
+    def fn(x, w):
+        return F.dropout((x @ w).tanh(), p=0.5, training=True) @ w
+
+    def run(f):
+        torch.manual_seed(0)
+        x = torch.randn(8, 16, requires_grad=True)
+        w = torch.randn(16, 16, requires_grad=True)
+        y = f(x, w)
+        between = torch.rand(5)
+        y.square().sum().backward()
+        return y, x.grad, w.grad, between, torch.get_rng_state()
+
+    for got, expected in zip(run(remat(fn)), run(fn), strict=True):
+        assert torch.equal(got, expected)

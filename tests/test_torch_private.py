@@ -1,0 +1,346 @@
+"""Every private torch API remat relies on still behaves as remat assumes.
+
+These tests exist so that a torch upgrade that changes one of them fails here, loudly,
+instead of as a wrong gradient somewhere else.
+"""
+
+import inspect
+from typing import ClassVar
+
+import pytest
+import torch
+from torch.func import grad, jvp, vmap
+
+from remat import _torch_private as tp
+
+
+def _kinds():
+    return [i.key().name for i in tp.functorch_interpreters()]
+
+
+def _hooks(packed):
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t)
+
+
+def _push_hooks():
+    """Enter and leave a saved-tensors-hooks context; return how many values it packed."""
+    packed = []
+    with _hooks(packed):
+        pass
+    return packed
+
+
+def test_every_private_api_is_tested_here():
+    """Each name in `remat._torch_private.__all__` is exercised by this file."""
+    source = inspect.getsource(inspect.getmodule(test_every_private_api_is_tested_here))
+    untested = [name for name in tp.__all__ if f"tp.{name}(" not in source]
+    assert untested == []
+
+
+class _GraphTaskProbe(torch.autograd.Function):
+    ids: ClassVar[list[int]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _GraphTaskProbe.ids.append(tp.current_graph_task_id())
+        return g
+
+
+def test_current_graph_task_id():
+    """-1 outside backward; a non-negative int inside, distinct for each backward pass."""
+    assert tp.current_graph_task_id() == -1
+    _GraphTaskProbe.ids = []
+    from_hooks = []
+    x = torch.ones(3, requires_grad=True)
+    y = _GraphTaskProbe.apply(x)
+    y.register_hook(lambda g: from_hooks.append(tp.current_graph_task_id()))
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    first, second = _GraphTaskProbe.ids
+    assert all(type(i) is int and i >= 0 for i in (first, second))
+    assert first != second
+    assert from_hooks == [first, second]
+    assert tp.current_graph_task_id() == -1
+
+
+def test_queue_end_of_backward_callback_runs_after_the_pass():
+    """A callback queued during backward runs once, after every node, including leaf grads."""
+    events = []
+    x = torch.ones(3, requires_grad=True)
+    y = x.sin()
+
+    def callback():
+        events.append(("callback", x.grad is not None, tp.current_graph_task_id()))
+
+    def hook(g):
+        events.append(("hook", x.grad is not None, tp.current_graph_task_id()))
+        tp.queue_end_of_backward_callback(callback)
+        return g
+
+    y.register_hook(hook)
+    y.sum().backward()
+    (_, before, task), (name, after, same_task) = events
+    assert (before, name, after) == (False, "callback", True)
+    assert same_task == task
+
+
+def test_saved_tensors_hooks_enabled_inside_grad():
+    """Inside ``torch.func.grad`` hooks raise; the context re-enables them, then restores."""
+    observed = {}
+
+    def f(x):
+        with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+            _push_hooks()
+        packed = []
+        with (
+            tp.saved_tensors_hooks_enabled(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t),
+        ):
+            y = x.sin()
+        observed["packed"] = len(packed)
+        with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+            _push_hooks()
+        with pytest.raises(ValueError, match="inside"), tp.saved_tensors_hooks_enabled():
+            raise ValueError("inside")
+        with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+            _push_hooks()
+        return y.sum()
+
+    x = torch.linspace(-1, 1, 5)
+    assert torch.equal(grad(f)(x), x.cos())
+    assert observed["packed"] == 1
+
+
+def test_saved_tensors_hooks_enabled_outside_transforms_is_a_no_op():
+    """Outside transforms hooks work before, inside and after the context."""
+    assert _push_hooks() == []
+    with tp.saved_tensors_hooks_enabled():
+        _push_hooks()
+    _push_hooks()
+
+
+def test_region_running_lets_grad_start_under_hooks():
+    """Under hooks, ``grad`` starts only inside `region_running`; the hooks pack again after."""
+    x = torch.linspace(-1, 1, 5)
+    packed = []
+    with _hooks(packed), pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+        grad(lambda x: x.sin().sum())(x)
+    with tp.region_running(), _hooks(packed):
+        assert torch.equal(grad(lambda x: x.sin().sum())(x), x.cos())
+        assert packed == []
+        torch.ones(2, requires_grad=True).sin()
+        assert len(packed) == 1
+    assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None
+    with pytest.raises(ValueError, match="inside"), tp.region_running():
+        raise ValueError("inside")
+    with _hooks(packed), pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+        grad(lambda x: x.sin().sum())(x)
+
+
+# torch.func.jvp's first call imports decompositions that use the deprecated torch.jit.script.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_functorch_interpreters():
+    """[] outside transforms; one entry per level, outermost first, inside them."""
+    assert tp.functorch_interpreters() == []
+    seen = {}
+
+    def f(x):
+        seen["kinds"] = _kinds()
+        seen["levels"] = [i.level() for i in tp.functorch_interpreters()]
+        seen["vmap"] = tp.functorch_interpreters()[0].batch_size()
+        return x.sin().sum()
+
+    vmap(grad(f))(torch.ones(4, 3))
+    assert seen == {"kinds": ["Vmap", "Grad"], "levels": [1, 2], "vmap": 4}
+    jvp(lambda x: seen.update(jvp=_kinds()) or x.sin(), (torch.ones(2),), (torch.ones(2),))
+    assert seen["jvp"] == ["Jvp"]
+    assert tp.functorch_interpreters() == []
+
+
+def test_level_witness_dies_with_its_level():
+    """A witness is alive inside its grad level and dead once that level exits."""
+    witnesses = {}
+
+    def inner(x):
+        outer_level, inner_level = (i.level() for i in tp.functorch_interpreters())
+        witnesses["outer"] = tp.level_witness(outer_level)
+        witnesses["inner"] = tp.level_witness(inner_level)
+        assert not tp.is_dead_wrapper(witnesses["outer"])
+        assert not tp.is_dead_wrapper(witnesses["inner"])
+        return x.sin().sum()
+
+    def outer(x):
+        g = grad(inner)(x)
+        witnesses["after_inner"] = [tp.is_dead_wrapper(witnesses[k]) for k in ("outer", "inner")]
+        return g.sum()
+
+    grad(outer)(torch.ones(3))
+    assert witnesses["after_inner"] == [False, True]
+    assert tp.is_dead_wrapper(witnesses["outer"])
+    assert tp.is_dead_wrapper(witnesses["inner"])
+    assert not tp.is_dead_wrapper(torch.ones(2))
+
+
+def test_wrapper_chain_unwrap_and_wrapper_level():
+    """In vmap(grad(f)) an input is a grad wrapper over a batched tensor, dead after exit."""
+    seen = {}
+
+    def f(x):
+        seen["chain"] = tp.wrapper_chain(x)
+        seen["inner"] = tp.wrapper_chain(tp.unwrap(x))
+        seen["level"] = tp.wrapper_level(x)
+        seen["y"] = y = x.sin()
+        return y.sum()
+
+    vmap(grad(f))(torch.ones(2, 3))
+    assert seen["chain"] == [(2, None, True), (1, 0, False)]
+    assert seen["inner"] == [(1, 0, False)]
+    assert seen["level"] == 2
+    assert tp.wrapper_level(seen["y"]) == -2
+    assert tp.wrapper_level(torch.ones(2)) == -1
+    assert tp.wrapper_chain(torch.ones(2)) == []
+
+
+def test_levels_popped_and_restored():
+    """``levels_popped(n)`` hides the n innermost levels inside the block only."""
+    seen = {}
+
+    def f(x):
+        with tp.levels_popped(1):
+            seen["popped"] = _kinds()
+        seen["restored"] = _kinds()
+        return x.sin().sum()
+
+    vmap(grad(f))(torch.ones(2, 3))
+    assert seen == {"popped": ["Vmap"], "restored": ["Vmap", "Grad"]}
+
+
+def test_new_grad_level_and_wrap_for_grad():
+    """A new grad level differentiates tensors wrapped at it, and exits with the block."""
+    a, b = torch.linspace(0, 1, 3), torch.ones(3)
+    with tp.new_grad_level() as level:
+        assert [i.get_state() for i in tp.functorch_interpreters()] == [("Grad", level, True)]
+        t = tp.wrap_for_grad(a, level, True)
+        u = tp.wrap_for_grad(b, level, False)
+        assert tp.wrapper_chain(t) == [(level, None, True)]
+        assert tp.wrapper_chain(u) == [(level, None, False)]
+        (g,) = torch.autograd.grad((t * t * u).sum(), t)
+        assert torch.equal(tp.unwrap(g), 2 * a)
+    assert tp.functorch_interpreters() == []
+    assert tp.is_dead_wrapper(t)
+    assert tp.unwrap(t) is a
+
+
+def test_new_vmap_level_and_add_batch_dim():
+    """A new vmap level has the given size and randomness; add_batch_dim batches at it."""
+    c = torch.arange(8.0).reshape(2, 4)
+    with tp.new_vmap_level(4, "different") as level:
+        (interpreter,) = tp.functorch_interpreters()
+        assert interpreter.get_state() == ("Vmap", level, "different")
+        assert interpreter.batch_size() == 4
+        batched = tp.add_batch_dim(c, 1, level)
+        assert batched.shape == (2,)
+        assert tp.wrapper_chain(batched) == [(level, 1, False)]
+        assert torch.equal(tp.unwrap(batched), c)
+    assert tp.functorch_interpreters() == []
+
+
+def test_top_grad_level():
+    """The innermost level if it is grad, else None."""
+    seen = []
+
+    def f(x):
+        seen.append(tp.top_grad_level())
+        return x.sin().sum()
+
+    grad(f)(torch.ones(3))
+    vmap(grad(f))(torch.ones(2, 3))
+    grad(lambda x: vmap(f)(x).sum())(torch.ones(2, 3))
+    assert seen == [1, 2, None]
+    assert tp.top_grad_level() is None
+
+
+def test_in_grad_transform_backward():
+    """True in ``grad``'s own backward only: not in ``autograd.grad`` inside fn, nor eager."""
+    seen = []
+
+    def f(x):
+        y = x.sin()
+        y.register_hook(lambda g: seen.append(tp.in_grad_transform_backward()))
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+        seen.append("user pass done")
+        return y.sum()
+
+    grad(f)(torch.ones(3))
+    x = torch.ones(3, requires_grad=True)
+    y = x.sin()
+    y.register_hook(lambda g: seen.append(tp.in_grad_transform_backward()))
+    y.sum().backward()
+    assert seen == [False, "user pass done", True, False]
+    assert tp.in_grad_transform_backward() is False
+
+
+def test_dead_twin():
+    """A dead twin holds the same contents under a wrapper whose level has exited."""
+    seen = {}
+
+    def f(x):
+        y = x.sin()
+        twin = tp.dead_twin(y, tp.top_grad_level())
+        seen["dead"] = tp.is_dead_wrapper(twin)
+        seen["level"] = tp.wrapper_level(twin)
+        seen["same"] = torch.equal(tp.unwrap(twin), tp.unwrap(y))
+        seen["still_top"] = tp.top_grad_level()
+        return y.sum()
+
+    grad(f)(torch.ones(3))
+    assert seen == {"dead": True, "level": -2, "same": True, "still_top": 1}
+
+
+def test_detach_outermost_keeps_outer_levels():
+    """Detaching from the innermost grad level leaves the outer level's graph intact."""
+
+    def inner(x):
+        return (tp.detach_outermost(x.sin()) * x).sum()  # d/dx = sin(x), still tracked outside
+
+    x = torch.linspace(-1, 1, 5)
+    assert torch.allclose(grad(lambda x: grad(inner)(x).sum())(x), x.cos())
+    plain = torch.ones(2, requires_grad=True)
+    detached = tp.detach_outermost(plain * 2)
+    assert not detached.requires_grad
+    assert detached.grad_fn is None
+
+
+def test_unwrap_all_reaches_the_plain_tensor():
+    """unwrap_all peels every functorch wrapper, alive or not, down to the plain tensor."""
+    seen = {}
+
+    def f(x):
+        seen["plain"] = tp.wrapper_level(tp.unwrap_all(x))
+        return x.sin().sum()
+
+    vmap(grad(f))(torch.ones(2, 3))
+    assert seen == {"plain": -1}
+    t = torch.ones(2)
+    assert tp.unwrap_all(t) is t
+
+
+def test_requiring_grad_at_the_outermost_level():
+    """requiring_grad makes a leaf alias that requires grad at the value's own level."""
+    plain = tp.requiring_grad(torch.ones(2))
+    assert plain.requires_grad
+    assert plain.is_leaf
+    seen = {}
+
+    def f(x):
+        y = tp.requiring_grad(tp.detach_outermost(x * 2))
+        seen["level"] = tp.wrapper_level(y)
+        seen["requires_grad"] = y.requires_grad
+        return (y * x).sum()
+
+    grad(f)(torch.ones(3))
+    assert seen == {"level": 1, "requires_grad": True}

@@ -1,0 +1,310 @@
+"""The decorator surface of `remat`: forms, metadata, methods, pytrees, call-site errors."""
+
+import functools
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from remat import _engine, policies, remat
+
+
+def _block(x, w):
+    """Two ops whose backward needs recomputed intermediates."""
+    return (x @ w).tanh().sin()
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    return x, w
+
+
+def _grads(fn, *tensors):
+    """Output of ``fn(*tensors)`` and its gradients with respect to every tensor."""
+    out = fn(*tensors)
+    return out, torch.autograd.grad(out.square().sum(), tensors)
+
+
+def _assert_same(a, b):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert torch.equal(out_a, out_b)
+    assert len(grads_a) == len(grads_b)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        assert torch.equal(ga, gb)
+
+
+@pytest.fixture
+def regions(monkeypatch):
+    """Every `Region` constructed while the test runs, in order."""
+    made = []
+    init = _engine.Region.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(_engine.Region, "__init__", spy)
+    return made
+
+
+@pytest.fixture
+def no_regions(monkeypatch):
+    """Fail the test if any `Region` is constructed."""
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("a remat Region was constructed")
+
+    monkeypatch.setattr(_engine.Region, "__init__", forbidden)
+
+
+FORMS = {
+    "@remat": lambda fn: remat(fn),
+    "@remat()": lambda fn: remat()(fn),
+    "@remat(policy='save_nothing')": lambda fn: remat(policy="save_nothing")(fn),
+    "remat(fn, policy=policies.save_nothing)": lambda fn: remat(fn, policy=policies.save_nothing),
+}
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_decorator_forms_recompute_and_match_fn(form, regions):
+    """Every decorator form builds a save_nothing region that matches ``fn`` bitwise."""
+    calls = []
+
+    def fn(x, w):
+        calls.append(None)
+        return _block(x, w)
+
+    wrapped = form(fn)
+    assert wrapped.policy is policies.save_nothing
+    _assert_same(_grads(wrapped, *_inputs()), _grads(_block, *_inputs()))
+    assert len(regions) == 1
+    assert len(calls) == 2
+
+
+def test_wraps_metadata():
+    """The wrapper carries ``fn``'s name, qualname, doc, module and signature."""
+    wrapped = remat(_block)
+    assert wrapped.__name__ == "_block"
+    assert wrapped.__qualname__ == _block.__qualname__
+    assert wrapped.__doc__ == "Two ops whose backward needs recomputed intermediates."
+    assert wrapped.__module__ == _block.__module__
+    assert wrapped.__wrapped__ is _block
+    assert inspect.signature(wrapped) == inspect.signature(_block)
+
+
+@pytest.mark.parametrize(
+    ("policy", "resolved"),
+    [
+        ("save_nothing", policies.save_nothing),
+        ("save_everything", policies.save_everything),
+        (policies.save_nothing, policies.save_nothing),
+        (policies.save_everything, policies.save_everything),
+    ],
+    ids=["str-nothing", "str-everything", "obj-nothing", "obj-everything"],
+)
+def test_policy_attribute_is_resolved_object(policy, resolved):
+    """``wrapper.policy`` is the policy object, whether given by name or as an object."""
+    assert remat(_block, policy=policy).policy is resolved
+    assert remat(policy=policy)(_block).policy is resolved
+
+
+class _Affine:
+    def __init__(self, w):
+        self.w = w
+        self.selves = []
+
+    def apply(self, x):
+        self.selves.append(self)
+        return _block(x, self.w)
+
+
+class _DecoratedAffine(_Affine):
+    @remat
+    def apply(self, x):
+        self.selves.append(self)
+        return _block(x, self.w)
+
+
+def test_bound_method(regions):
+    """``remat(obj.method)`` recomputes and gradients reach the tensors read via ``self``."""
+    x, w = _inputs()
+    obj = _Affine(w)
+    method = obj.apply
+    wrapped = remat(method)
+    assert wrapped.__wrapped__ is method
+    _assert_same(_grads(lambda x, w: wrapped(x), x, w), _grads(_block, *_inputs()))
+    assert len(regions) == 1
+    assert obj.selves == [obj, obj]
+
+
+def test_method_decorated_in_class_body(regions):
+    """``@remat`` on a method in a class body binds ``self`` and reaches its tensors."""
+    x, w = _inputs()
+    obj = _DecoratedAffine(w)
+    assert _DecoratedAffine.apply.__wrapped__.__name__ == "apply"
+    _assert_same(_grads(lambda x, w: obj.apply(x), x, w), _grads(_block, *_inputs()))
+    assert len(regions) == 1
+    assert all(s is obj for s in obj.selves)
+    assert len(obj.selves) == 2
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(3, 8, dtype=torch.float64)
+        self.down = nn.Linear(8, 3, dtype=torch.float64)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.down(torch.relu(self.up(x)).sin())
+
+
+class _RematMlp(_Mlp):
+    @remat
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_module_forward_decorated_in_class(regions):
+    """A remat'd ``nn.Module.forward`` gives its parameters the plain module's gradients."""
+    torch.manual_seed(0)
+    plain = _Mlp()
+    checkpointed = _RematMlp()
+    checkpointed.load_state_dict(plain.state_dict())
+    x, _ = _inputs()
+    for module in (plain, checkpointed):
+        module(x).square().sum().backward()
+    assert len(regions) == 1
+    assert (plain.calls, checkpointed.calls) == (1, 2)
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_keyword_arguments_and_nested_tensors(regions):
+    """Tensors passed by keyword, at any depth, get the plain gradients."""
+
+    def fn(x, *, params, scale):
+        (b,) = params["bias"]
+        return (x @ params["w"] + b).tanh().sin() * scale
+
+    def run(fn, x, w, b):
+        return fn(x, params={"w": w, "bias": [b]}, scale=2.0)
+
+    x, w = _inputs()
+    b = torch.linspace(-1, 1, 3, dtype=torch.float64, requires_grad=True)
+    expected = _grads(functools.partial(run, fn), *_inputs(), b)
+    _assert_same(_grads(functools.partial(run, remat(fn)), x, w, b), expected)
+    assert len(regions) == 1
+
+
+def test_non_tensor_leaves_pass_through_as_same_objects():
+    """Non-tensor leaves reach ``fn`` (forward and recompute) and the output as themselves."""
+    marker, label, items = object(), "tag", (1, 2.5, None)
+    seen = []
+
+    def fn(x, config, *, extra):
+        seen.append((config["marker"], config["label"], extra))
+        return {"y": x.sin().exp(), "marker": config["marker"], "extra": extra}
+
+    x, _ = _inputs()
+    out = remat(fn)(x, {"marker": marker, "label": label}, extra=items)
+    assert out["marker"] is marker
+    assert out["extra"] is items
+    out["y"].sum().backward()
+    assert len(seen) == 2
+    for seen_marker, seen_label, seen_extra in seen:
+        assert seen_marker is marker
+        assert seen_label is label
+        assert seen_extra is items
+
+
+@pytest.mark.parametrize("fn", [42, "fn", torch.ones(2)], ids=["int", "str", "tensor"])
+def test_non_callable_fn_raises_type_error(fn):
+    """A non-callable ``fn`` raises TypeError naming what was received."""
+    with pytest.raises(TypeError, match="`remat` expected a callable `fn`, got") as info:
+        remat(fn)
+    assert f"of type {type(fn).__name__}" in str(info.value)
+    with pytest.raises(TypeError, match="`remat` expected a callable `fn`, got"):
+        remat(policy="save_nothing")(fn)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: remat(_block, policy="save_all"), lambda: remat(policy="save_all")],
+    ids=["direct", "decorator"],
+)
+def test_unknown_policy_name_lists_valid_names(make):
+    """An unknown policy name raises ValueError listing the valid names."""
+    with pytest.raises(ValueError, match="`remat`: unknown policy 'save_all'") as info:
+        make()
+    assert "'save_nothing'" in str(info.value)
+    assert "'save_everything'" in str(info.value)
+
+
+@pytest.mark.parametrize("policy", [3, None, b"save_nothing", ["save_nothing"]])
+def test_wrong_policy_type_raises_type_error(policy):
+    """A policy that is neither a name nor a policy object raises TypeError."""
+    with pytest.raises(TypeError, match=r"`policy` must be a policy name \(str\), a policy obj"):
+        remat(_block, policy=policy)
+    with pytest.raises(TypeError, match="`policy` must be"):
+        remat(policy=policy)
+
+
+@pytest.mark.parametrize("check", ["full", None, True])
+def test_bad_check_raises_value_error(check):
+    """A ``check`` other than 'shapes' or 'none' raises ValueError at the call site."""
+    message = f"`check` must be 'shapes' or 'none', got {check!r}"
+    with pytest.raises(ValueError, match=message):
+        remat(_block, check=check)
+    with pytest.raises(ValueError, match=message):
+        remat(check=check)
+
+
+@pytest.mark.parametrize("preserve_rng", [1, 0, "yes", None])
+def test_non_bool_preserve_rng_raises_type_error(preserve_rng):
+    """A non-bool ``preserve_rng`` raises TypeError at the call site."""
+    message = f"`preserve_rng` must be True or False, got {preserve_rng!r}"
+    with pytest.raises(TypeError, match=message):
+        remat(_block, preserve_rng=preserve_rng)
+    with pytest.raises(TypeError, match=message):
+        remat(preserve_rng=preserve_rng)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_without_autograd_fn_is_simply_called(context, no_regions):
+    """Under no_grad/inference_mode, ``fn`` runs once, with no region and no dispatch mode."""
+    modes = []
+
+    def fn(x, w):
+        modes.append(_get_current_dispatch_mode())
+        return _block(x, w)
+
+    x, w = _inputs()
+    with context():
+        out = remat(fn)(x, w)
+        expected = _block(x, w)
+    assert modes == [None]
+    assert torch.equal(out, expected)
+    assert out.grad_fn is None
+    assert out.is_inference() == (context is torch.inference_mode)
+
+
+@pytest.mark.parametrize("policy", ["save_everything", policies.save_everything])
+def test_save_everything_is_plain_fn(policy, no_regions):
+    """``policy='save_everything'`` builds no region: the autograd graph is plain ``fn``'s."""
+    calls = []
+
+    def fn(x, w):
+        calls.append(None)
+        return _block(x, w)
+
+    wrapped = remat(fn, policy=policy)
+    out, grads = _grads(wrapped, *_inputs())
+    _assert_same((out, grads), _grads(_block, *_inputs()))
+    assert out.grad_fn.name() == "SinBackward0"
+    assert len(calls) == 1
