@@ -9,9 +9,7 @@ so they never shift the op indices that forward and recompute share.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,18 +23,26 @@ __all__ = ["OpMode", "quiet"]
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
+class quiet:  # noqa: N801 - a context manager, like torch.no_grad
     """Ops run inside are remat's own: no region counts, replays or traces them."""
-    _local.quiet = getattr(_local, "quiet", 0) + 1
-    try:
-        yield
-    finally:
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _local.quiet = getattr(_local, "quiet", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
         _local.quiet -= 1
 
 
 class OpMode(TorchDispatchMode):
     """Sees every aten op of one forward or one recompute."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in a dynamo-disable shim that costs
+        # more than the mode's own work on every op; remat regions are not compiled.
+        return False
 
     def __init__(
         self,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -40,7 +39,7 @@ from ._rng import RngCapture
 __all__ = ["Region", "running_region"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-_local = threading.local()
+_NOTHING = contextlib.nullcontext()
 
 
 class _Handle:
@@ -118,22 +117,9 @@ class _Meta(NamedTuple):
         return f"{self.producer}, {describe_meta(self.shape, self.dtype, self.device)}"
 
 
-@contextlib.contextmanager
-def _running(
-    region: Region | None, pack: Callable[[Any], Any], fetch: Callable[..., Any], levels: Any
-) -> Iterator[None]:
-    """Register a running forward or recompute, innermost last, on this thread."""
-    stack = _local.__dict__.setdefault("running", [])
-    stack.append((region, pack, fetch, levels))
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
 def running_region() -> Region | None:
     """The innermost region whose forward is running on this thread."""
-    stack = getattr(_local, "running", ())
+    stack = _torch_private.running_regions()
     return stack[-1][0] if stack else None
 
 
@@ -190,14 +176,14 @@ class Region:
     # The forward.
 
     def forward(self) -> Any:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_torch_private.region_running())
-            if self.levels:
-                stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-            stack.enter_context(_running(self, self._pack, self._fetch, self.levels.stack))
-            if self.rng is not None or self.keeper is not None or self.trace is not None:
-                stack.enter_context(OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace))
+        running = _torch_private.region_running((self, self._pack, self._fetch, bool(self.levels)))
+        enabled = _torch_private.saved_tensors_hooks_enabled() if self.levels else _NOTHING
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        watched = self.rng is not None or self.keeper is not None or self.trace is not None
+        mode = (
+            OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace) if watched else _NOTHING
+        )
+        with running, enabled, hooks, mode:
             out = self.fn(*self.call[0], **self.call[1])
             outer = self._enclosing()
             if outer is not None:
@@ -289,7 +275,7 @@ class Region:
         """
         if self.levels:
             return None
-        running = _local.running
+        running = _torch_private.running_regions()
         for i in range(len(running) - 1, 0, -1):
             if running[i][0] is self:
                 outer = running[i - 1]
@@ -399,12 +385,11 @@ class Region:
                     raise _Stop
                 return value
 
-            stack.enter_context(_torch_private.region_running())
+            stack.enter_context(_torch_private.region_running((None, pack, _identity, False)))
             stack.enter_context(_autocast(self.autocast))
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
-            stack.enter_context(_running(None, pack, _identity, self.levels.stack))
             if replay is not None:
                 stack.enter_context(replay)
             if replay is not None or replayer is not None or trace is not None:

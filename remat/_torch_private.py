@@ -37,6 +37,7 @@ __all__ = [
     "wrap_for_grad",
     "queue_end_of_backward_callback",
     "region_running",
+    "running_regions",
     "requiring_grad",
     "saved_tensors_hooks_enabled",
 ]
@@ -84,14 +85,25 @@ _regions = threading.local()
 _disable_saved_tensors_hooks = torch.autograd.graph.disable_saved_tensors_hooks
 
 
-@contextlib.contextmanager
-def region_running() -> Iterator[None]:
-    """Mark a remat forward or recompute as running on this thread."""
-    _regions.depth = getattr(_regions, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _regions.depth -= 1
+def running_regions() -> list[Any]:
+    """The remat forwards and recomputes running on this thread, innermost last."""
+    stack: list[Any] = _regions.__dict__.setdefault("stack", [])
+    return stack
+
+
+class region_running:  # noqa: N801 - a context manager, like torch.no_grad
+    """Register a remat forward or recompute (any ``entry``) as running on this thread."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: Any) -> None:
+        self.entry = entry
+
+    def __enter__(self) -> None:
+        running_regions().append(self.entry)
+
+    def __exit__(self, *exc: object) -> None:
+        running_regions().pop()
 
 
 @contextlib.contextmanager
@@ -104,7 +116,7 @@ def _disable_saved_tensors_hooks_in_regions(error_message: str) -> Iterator[None
     the transform's ops then save their tensors normally, and so does the
     recompute. Everywhere else torch's own behaviour is unchanged.
     """
-    if not getattr(_regions, "depth", 0):
+    if not running_regions():
         with _disable_saved_tensors_hooks(error_message):
             yield
         return

@@ -129,14 +129,16 @@ def test_region_running_lets_grad_start_under_hooks():
     packed = []
     with _hooks(packed), pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
         grad(lambda x: x.sin().sum())(x)
-    with tp.region_running(), _hooks(packed):
+    with tp.region_running("entry"), _hooks(packed):
+        assert tp.running_regions() == ["entry"]
         assert torch.equal(grad(lambda x: x.sin().sum())(x), x.cos())
         assert packed == []
         torch.ones(2, requires_grad=True).sin()
         assert len(packed) == 1
     assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None
-    with pytest.raises(ValueError, match="inside"), tp.region_running():
+    with pytest.raises(ValueError, match="inside"), tp.region_running("entry"):
         raise ValueError("inside")
+    assert tp.running_regions() == []
     with _hooks(packed), pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
         grad(lambda x: x.sin().sum())(x)
 
