@@ -306,8 +306,9 @@ class Region:
             values = self._recompute()
             if key != -1:
                 self.passes[key] = values
+                # Weakly: a region whose nodes have all run must not outlive them.
                 _torch_private.queue_end_of_backward_callback(
-                    functools.partial(self._end_pass, key)
+                    functools.partial(_end_pass, weakref.ref(self), key)
                 )
         value = values.pop(packed.index, None)
         if value is None:
@@ -315,10 +316,6 @@ class Region:
         elif not self.levels and key != -1:
             self.given.setdefault(key, {})[packed.index] = _Given(value)
         return value
-
-    def _end_pass(self, key: int) -> None:
-        self.passes.pop(key, None)
-        self.given.pop(key, None)
 
     def _unpacked_again(self, packed: _Handle, key: int) -> torch.Tensor:
         """A value unpacked twice in one pass (in-place ops on views can do this).
@@ -431,6 +428,13 @@ class Region:
         if self.trace is None or trace is None:
             return ""
         return "\nOp sequences (forward | recompute):\n" + diff_traces(self.trace, trace)
+
+
+def _end_pass(region: weakref.ref[Region], key: int) -> None:
+    alive = region()
+    if alive is not None:
+        alive.passes.pop(key, None)
+        alive.given.pop(key, None)
 
 
 def _identity(x: Any) -> Any:
