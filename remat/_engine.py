@@ -149,6 +149,7 @@ class Region:
         call: tuple[tuple[Any, ...], dict[str, Any]],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
+        generators: list[torch.Generator],
         policy: Policy,
         preserve_rng: bool,
         check: bool,
@@ -168,6 +169,7 @@ class Region:
         self.saved_inputs: set[int] = set()
         self.autocast = _autocast_state()
         self.rng = RngCapture() if preserve_rng else None
+        self.generators = generators
         collecting = _introspect.current() is not None
         self.keeper = Keeper(policy, collecting) if policy.per_op else None
         self.trace: list[TraceEntry] | None = [] if debugging() else None
@@ -179,22 +181,27 @@ class Region:
         running = _torch_private.region_running((self, self._pack, self._fetch, bool(self.levels)))
         enabled = _torch_private.saved_tensors_hooks_enabled() if self.levels else _NOTHING
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        watched = self.rng is not None or self.keeper is not None or self.trace is not None
+        watched = self.keeper is not None or self.trace is not None
         mode = (
             OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace) if watched else _NOTHING
         )
+        snapshot = self.rng is not None and not watched  # no mode: read generators around fn
+        if snapshot:
+            self.rng.start(self.generators)  # type: ignore[union-attr]
         with running, enabled, hooks, mode:
             out = self.fn(*self.call[0], **self.call[1])
+            if snapshot:
+                self.rng.finish()  # type: ignore[union-attr]
             outer = self._enclosing()
             if outer is not None:
                 self._hand_over_inputs(outer)
         if self.keeper is not None:
-            self.keeper.finish()
+            self.keeper.finish(skip=not self.levels.forward_mode())
         if self.levels:
             self.levels.watch_outputs(out)
-        records = _introspect.current()
-        if records is not None:
-            records.extend(self._residuals())
+        found = _introspect.current()
+        if found is not None:
+            self._report(found)
         return out
 
     def _hand_over_inputs(self, outer: tuple[Any, ...]) -> None:
@@ -232,11 +239,12 @@ class Region:
     def paths(self) -> list[str]:
         return _introspect.input_paths(self.fn, self.call, (torch.Tensor, _Outer))
 
-    def _residuals(self) -> Iterator[tuple[Any, _introspect.Residual]]:
+    def _report(self, found: _introspect.Collector) -> None:
+        """Tell `saved_residuals` what this region holds after its forward."""
         paths = self.paths()
         for i, t in enumerate(self.tensors):
             if id(t) in self.saved_inputs:
-                yield _introspect.residual(t, "input", None, None, f"argument {paths[i]}")
+                found.add_saved(t, paths[i])
         if self.keeper is None:
             return
         keeper = self.keeper
@@ -247,7 +255,7 @@ class Region:
             where = f"output of {op.overloadpacket} at {(keeper.sources or {}).get(index, '?')}"
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor):
-                    yield _introspect.residual(t, kind, op, name, where)
+                    found.add(t, kind, op, name, where)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self.inputs.get(id(t)) is t:

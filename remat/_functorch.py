@@ -55,6 +55,10 @@ class Levels:
     def __bool__(self) -> bool:
         return bool(self.stack)
 
+    def forward_mode(self) -> bool:
+        """Whether the forward ran under a ``jvp`` level (tangents ride on values)."""
+        return any(desc[0] == "Jvp" for desc in self.stack)
+
     @staticmethod
     def _own_pass_level(t: torch.Tensor) -> int | None:
         """The grad level whose own backward pass this is, if ``t`` lives there."""

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import describe_meta, node_op, source_line
+from ._errors import describe_meta, source_line
 
-__all__ = ["Residual", "collector", "print_saved_residuals", "saved_residuals"]
+__all__ = ["Collector", "Residual", "current", "print_saved_residuals", "saved_residuals"]
 
 _local = threading.local()
 
@@ -44,45 +44,59 @@ class Residual:
     source: str
 
 
-Records = list[tuple[Any, Residual]]  # (storage identity, residual)
+class Collector(TorchDispatchMode):
+    """What `saved_residuals` gathers: records, and who produced each tensor."""
+
+    def __init__(self, arguments: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.records: list[tuple[Any, Residual]] = []
+        self.arguments = {id(t): t for t in arguments}
+        self.producers: dict[int, tuple[Any, str]] = {}  # id(output) -> (op packet, line)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.producers[id(t)] = (func.overloadpacket, source_line())
+        return out
+
+    def add(self, t: torch.Tensor, kind: Any, op: Any, name: str | None, source: str) -> None:
+        """Record ``t``, keyed by the storage it holds (listed once however many views)."""
+        if _has_storage(t):
+            key: Any = t.untyped_storage().data_ptr()
+            nbytes = t.untyped_storage().nbytes()
+        else:
+            key, nbytes = id(t), t.nbytes
+        residual = Residual(tuple(t.shape), t.dtype, t.device, nbytes, kind, op, name, source)
+        self.records.append((key, residual))
+
+    def add_saved(self, t: torch.Tensor, path: str | None = None) -> None:
+        """A tensor held as it is: an argument of ``fn``, or a value made inside it."""
+        if self.arguments.get(id(t)) is t:
+            self.add(t, "input", None, None, f"argument {path}" if path else "an argument")
+            return
+        from ._torch_private import unwrap_all
+
+        op, line = self.producers.get(id(unwrap_all(t)), (None, None))
+        where = f"output of {op} at {line}" if op else "a tensor made outside `fn`"
+        if path:
+            where += f", argument {path} of a remat region"
+        self.add(t, "saved", op, None, where)
 
 
-def current() -> Records | None:
-    """Where regions report their residuals, while `saved_residuals` runs."""
-    return getattr(_local, "records", None)
-
-
-@contextlib.contextmanager
-def collector(records: Records) -> Iterator[None]:
-    previous = current()
-    _local.records = records
-    try:
-        yield
-    finally:
-        _local.records = previous
-
-
-def residual(
-    t: torch.Tensor, kind: Any, op: Any, name: str | None, source: str
-) -> tuple[Any, Residual]:
-    """A record, keyed by the storage it holds (listed once however many views share it)."""
-    if _has_storage(t):
-        key: Any = t.untyped_storage().data_ptr()
-        nbytes = t.untyped_storage().nbytes()
-    else:
-        key, nbytes = id(t), t.nbytes
-    return key, Residual(tuple(t.shape), t.dtype, t.device, nbytes, kind, op, name, source)
+def current() -> Collector | None:
+    """The collector of the running `saved_residuals`, if any."""
+    return getattr(_local, "collector", None)
 
 
 def _has_storage(t: torch.Tensor) -> bool:
     from ._torch_private import wrapper_level
 
     return wrapper_level(t) == -1
-
-
-def _aten_op(node: Any) -> Any:
-    """The aten op packet behind an autograd node, or None if there is no such op."""
-    return getattr(torch.ops.aten, node_op(node).removeprefix("aten."), None)
 
 
 def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
@@ -105,29 +119,29 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
         >>> [r.kind for r in remat.saved_residuals(remat.remat(torch.sin), x)]
         ['input']
     """
-    records: Records = []
     tree: Any = (args, kwargs)
     leaves: list[Any] = optree.tree_leaves(tree)
-    arguments = {id(t): t for t in leaves if isinstance(t, torch.Tensor)}
+    found = Collector([t for t in leaves if isinstance(t, torch.Tensor)])
+    hooks = torch.autograd.graph.saved_tensors_hooks(_pack_into(found), lambda t: t)
+    previous = current()
+    _local.collector = found
+    try:
+        with found, torch.enable_grad(), hooks:
+            fn(*args, **kwargs)
+    finally:
+        _local.collector = previous
+    return _dedupe(found.records)
 
+
+def _pack_into(found: Collector) -> Callable[[torch.Tensor], torch.Tensor]:
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if arguments.get(id(t)) is t:
-            records.append(residual(t, "input", None, None, "an argument"))
-        elif t.grad_fn is not None:
-            op = _aten_op(t.grad_fn)
-            where = f"output of {op or t.grad_fn.name()} at {source_line()}"
-            records.append(residual(t, "saved", op, None, where))
-        else:
-            records.append(residual(t, "saved", None, None, "a tensor read by closure"))
+        found.add_saved(t)
         return t
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with collector(records), torch.enable_grad(), hooks:
-        fn(*args, **kwargs)
-    return _dedupe(records)
+    return pack
 
 
-def _dedupe(records: Records) -> list[Residual]:
+def _dedupe(records: list[tuple[Any, Residual]]) -> list[Residual]:
     order = {"input": 0, "saved": 1, "offloaded": 2}
     seen: dict[Any, Residual] = {}
     for key, record in sorted(records, key=lambda kr: order[kr[1].kind]):

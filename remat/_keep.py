@@ -1,12 +1,14 @@
-"""What a policy keeps: op outputs held by op index, and only if a backward reads them.
+"""What a policy keeps, by op index, and only what a backward reads.
 
-During the forward every aten op of the region gets an index. The policy decides
-for each op's outputs (random, in-place and view ops are always recomputed); a
-kept output is held as a detached alias, and the recompute replays it at the same
-index instead of running the op. When the forward ends, a kept value is released
-unless a backward needs it: autograd saved it directly, or an op the recompute
-will execute (one before the last value to rebuild) reads it. A kept op that
-nothing reads is not run again either: the recompute gets an empty placeholder.
+During the forward every aten op of the region gets an index, and the forward
+records which earlier ops each op read. The policy decides for each op's outputs
+(random, in-place and view ops are always recomputed). When the forward ends,
+the ops the recompute must run are found backwards from the values it rebuilds,
+stopping at kept ops: those kept values are held, every other one is released,
+and every op not needed is skipped in the recompute (it gets an empty
+placeholder). A kept op is never run again: the recompute replays its value.
+Ops that Python itself reads (non-tensor results, such as ``.item()``), random
+and in-place ops always run, with what they read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
@@ -32,7 +35,11 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return out
 
 
-def _map(out: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _outputs(out: Any) -> list[torch.Tensor]:
+    return _tensors(out if isinstance(out, (list, tuple)) else (out,))
+
+
+def _map(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(out, torch.Tensor):
         return fn(out)
     if isinstance(out, (list, tuple)):
@@ -45,57 +52,75 @@ def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
+def _version(out: Any) -> int:
+    return sum(t._version for t in _outputs(out))
+
+
 class Keeper:
-    """The forward side: the policy's decisions, and which kept values a backward needs."""
+    """The forward side: the policy's decisions, and what the recompute needs."""
 
     __slots__ = (
         "count",
+        "deps",
+        "error",
         "kept",
         "keys",
-        "keys_of",
+        "metas",
         "offload",
         "ops",
-        "packed",
-        "placeholders",
         "policy",
         "produced",
-        "readers",
         "rebuilt_before",
+        "roots",
+        "skip",
         "sources",
         "tags",
+        "wanted",
     )
 
     def __init__(self, policy: Policy, sources: bool = False) -> None:
         self.policy = policy
         self.count = 0
         self.ops: list[Any] = []
-        self.kept: dict[int, tuple[Any, int]] = {}  # op index -> (detached output, version)
-        self.keys: dict[tuple[Any, ...], int] = {}  # storage key of a kept output -> index
-        self.keys_of: dict[int, list[tuple[Any, ...]]] = {}
-        self.readers: dict[int, list[int]] = {}
+        self.deps: list[tuple[int, ...]] = []  # op index -> indices of the ops it read
+        self.metas: list[Any] = []  # op index -> output shapes, for placeholders
+        self.roots: list[int] = []  # ops that always run in the recompute
         self.produced: dict[int, int] = {}  # id(output) -> op index, during the forward
-        self.packed: set[int] = set()
-        self.placeholders: dict[int, Any] = {}
+        self.kept: dict[int, tuple[Any, int]] = {}  # op index -> (output, version)
+        self.keys: dict[tuple[Any, ...], int] = {}  # storage key of a kept output -> index
+        self.wanted: set[int] = set()  # ops whose outputs autograd saved for a rebuild
+        self.skip: dict[int, Any] = {}  # op index -> placeholder metadata, after finish
         self.tags: dict[int, frozenset[str]] = {}
-        self.offload: dict[int, tuple[Any, torch.device]] = {}
+        self.offload: dict[int, tuple[torch.device, torch.device]] = {}
         self.sources: dict[int, str] | None = {} if sources else None
+        self.error: Exception | None = None
         self.rebuilt_before = 0
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Record one forward op: which kept values it read, and the policy's decision."""
+        """Record one forward op: what it read, and the policy's decision on its outputs."""
         index = self.count
         self.count += 1
         self.ops.append(func)
-        for t in _tensors(args) + _tensors(kwargs.values()):
-            source = self.produced.get(id(t))
-            if source is not None and source in self.kept:
-                self.readers.setdefault(source, []).append(index)
-        outputs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
+        produced = self.produced
+        reads = {produced[id(t)] for t in _tensors(args) if id(t) in produced}
+        if kwargs:
+            reads.update(produced[id(t)] for t in _tensors(kwargs.values()) if id(t) in produced)
+        self.deps.append(tuple(reads))
+        outputs = _outputs(out)
+        every = len(out) if isinstance(out, (list, tuple)) else 1
+        self.metas.append(_map(out, _Shape) if outputs and len(outputs) == every else None)
         for t in outputs:
-            self.produced[id(t)] = index
-        if not outputs or is_random(func) or func.is_view or func._schema.is_mutable:
+            produced[id(t)] = index
+        if not outputs or self.metas[-1] is None or is_random(func) or func._schema.is_mutable:
+            self.roots.append(index)
             return
-        decision = self.policy.decide(func, lambda: OpCall(func, args, kwargs, out))
+        if func.is_view:
+            return
+        try:
+            decision = self.policy.decide(func, lambda: OpCall(func, args, kwargs, out))
+        except TypeError as error:  # raised when the forward ends: an operator would mask it
+            self.error = self.error or error
+            return
         self._apply(index, decision, out)
 
     def tag(self, t: torch.Tensor, names: frozenset[str]) -> None:
@@ -107,75 +132,84 @@ class Keeper:
         self.tags[index] = names
         func = self.ops[index]
         decision = as_decision(self.policy, self.policy(OpCall(func, (), {}, t, names)), func)
-        self._drop(index)
-        self._apply(index, decision, t)
+        self.kept.pop(index, None)
+        self.offload.pop(index, None)
+        if index not in self.roots and not func.is_view:
+            self._apply(index, decision, t)
 
     def _apply(self, index: int, decision: Decision, out: Any) -> None:
         if decision is Decision.RECOMPUTE:
             return
-        alias = _map(out, torch.Tensor.detach)
-        self.kept[index] = (alias, _version(out))
-        for t in _tensors(alias if isinstance(alias, (list, tuple)) else (alias,)):
-            if not _is_wrapped(t):
-                key = storage_key(t)
-                self.keys[key] = index
-                self.keys_of.setdefault(index, []).append(key)
+        self.kept[index] = (out, _version(out))
+        for t in _outputs(out):
+            self.keys[storage_key(t)] = index
         if decision is Decision.OFFLOAD:
-            self.offload[index] = (None, self.policy.device or torch.device("cpu"))
+            target = self.policy.device or torch.device("cpu")
+            self.offload[index] = (_outputs(out)[0].device, target)
         if self.sources is not None:
             from ._errors import source_line
 
             self.sources[index] = source_line()
 
-    def _drop(self, index: int) -> None:
-        self.kept.pop(index, None)
-        self.offload.pop(index, None)
-        self.packed.discard(index)
-        for key in self.keys_of.pop(index, ()):
-            if self.keys.get(key) == index:
-                del self.keys[key]
-
     def note_saved(self, t: torch.Tensor) -> None:
-        """Autograd saves ``t`` for a handle: ops so far re-run, and a kept ``t`` is read."""
+        """Autograd saves ``t`` for a handle: the recompute runs up to here and rebuilds it."""
         self.rebuilt_before = self.count
-        if self.keys and not _is_wrapped(t):
-            index = self.keys.get(storage_key(t))
-            if index is not None:
-                self.packed.add(index)
+        plain = _torch_private.unwrap_all(t)
+        index = self.produced.get(id(plain))
+        if index is None and self.keys:
+            index = self.keys.get(storage_key(plain))
+        if index is not None:
+            self.wanted.add(index)
 
-    def finish(self) -> None:
-        """End of forward: release what no backward reads; offload what the policy asked."""
-        self.produced.clear()
-        mutated = {i for i, (out, version) in self.kept.items() if _version(out) != version}
-        for index in mutated:
-            self._drop(index)
-        for index in list(self.kept):
-            reads = self.readers.get(index, ())
-            if index in self.packed or any(
-                r < self.rebuilt_before and r not in self.kept for r in reads
-            ):
-                if index in self.offload:
-                    out, _ = self.kept[index]
-                    device = self.offload[index][1]
-                    self.kept[index] = (_move(out, device), 0)
-                    self.offload[index] = (_device(out), device)
+    def finish(self, skip: bool = True) -> None:
+        """End of forward: hold what the recompute reads, skip what it does not need.
+
+        ``skip=False`` (under forward-mode AD, whose tangents ride on values the
+        dispatcher cannot see) runs every op again except kept ones that are needed.
+        """
+        if self.error is not None:
+            raise self.error
+        limit = self.rebuilt_before
+        needed: set[int] = set()
+        stack = [i for i in self.wanted if i < limit] + [r for r in self.roots if r < limit]
+        while stack:
+            index = stack.pop()
+            if index in needed:
                 continue
-            out, _ = self.kept[index]
-            self._drop(index)
-            if index < self.rebuilt_before:
-                self.placeholders[index] = _map(out, _empty_like)
-        self.readers.clear()
+            needed.add(index)
+            if index not in self.kept:
+                stack.extend(self.deps[index])
+        with _torch_private.functorch_cleared():
+            for index in list(self.kept):
+                out, version = self.kept.pop(index)
+                if index in needed and _version(out) == version:
+                    alias = _map(out, torch.Tensor.detach)  # shares out's version counter
+                    if index in self.offload:
+                        alias = _move(alias, self.offload[index][1])
+                    self.kept[index] = (alias, _version(alias))
+        if skip:
+            self.skip = {i: self.metas[i] for i in range(limit) if i not in needed}
+        self.produced, self.deps, self.metas, self.keys, self.roots = {}, [], [], {}, []
 
     def value(self, index: int) -> Any:
         """A kept value, on its own device, as a fresh alias autograd may attach to."""
-        out, _ = self.kept[index]
+        alias, version = self.kept[index]
+        if _version(alias) != version:
+            raise RuntimeError(
+                f"`remat`: a value the policy kept (output of {self.ops[index]}) was modified "
+                "in place after the forward; its gradients would be wrong. Clone it before "
+                "modifying it."
+            )
         if index in self.offload:
-            return _move(out, self.offload[index][0])
-        return _map(out, torch.Tensor.detach)
+            return _move(alias, self.offload[index][0])
+        return _map(alias, torch.Tensor.detach)
 
 
 class Replayer:
-    """The recompute side: kept values and placeholders, at their op index."""
+    """The recompute side: kept values and placeholders, at their op index.
+
+    It runs inside the recompute's dispatch mode, below torch.func's levels.
+    """
 
     __slots__ = ("count", "keeper")
 
@@ -188,26 +222,29 @@ class Replayer:
         self.count += 1
         if index in self.keeper.kept:
             return True, self.keeper.value(index)
-        placeholder = self.keeper.placeholders.get(index)
-        return placeholder is not None, placeholder
+        meta = self.keeper.skip.get(index)
+        if meta is None:
+            return False, None
+        if isinstance(meta, _Shape):
+            return True, meta.placeholder()
+        return True, type(meta)(m.placeholder() for m in meta)
 
 
-def _version(out: Any) -> int:
-    return sum(t._version for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)))
+class _Shape:
+    """What an op output looked like, to stand in for it when it need not be rebuilt."""
 
+    __slots__ = ("device", "dtype", "shape", "stride")
 
-def _is_wrapped(t: torch.Tensor) -> bool:
-    from ._torch_private import wrapper_level
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
 
-    return wrapper_level(t) != -1
+    def placeholder(self) -> torch.Tensor:
+        """An output nobody reads, uninitialized, with the forward's layout.
 
-
-def _device(out: Any) -> torch.device:
-    return _tensors(out if isinstance(out, (list, tuple)) else (out,))[0].device
-
-
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        The layout matters: composite ops above the dispatcher (``matmul``) choose
+        their next ops by it. It lives only until the op that asked for it returns.
+        """
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
 
 
 def _move(out: Any, device: torch.device) -> Any:

@@ -22,10 +22,13 @@ __all__ = ["ModuleState"]
 class ModuleState:
     """The parameter and buffer tensors of some modules, by slot, with versions."""
 
-    __slots__ = ("slots",)
+    __slots__ = ("generators", "slots")
 
-    def __init__(self, slots: list[tuple[dict[str, Any], str, torch.Tensor, int]]) -> None:
+    def __init__(
+        self, slots: list[tuple[dict[str, Any], str, torch.Tensor, int]], generators: list[Any]
+    ) -> None:
         self.slots = slots
+        self.generators = generators  # explicit torch.Generators kept as module attributes
 
     @classmethod
     def capture(cls, fn: Callable[..., Any], leaves: list[Any]) -> ModuleState | None:
@@ -40,17 +43,19 @@ class ModuleState:
         if not modules:
             return None
         slots: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        generators: list[Any] = []
         seen: set[int] = set()
         for module in modules:
             for sub in module.modules():
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
+                generators.extend(v for v in vars(sub).values() if isinstance(v, torch.Generator))
                 for table in (sub._parameters, sub._buffers):
                     slots.extend(
                         (table, name, t, t._version) for name, t in table.items() if t is not None
                     )
-        return cls(slots)
+        return cls(slots, generators)
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[None]:

@@ -1,10 +1,15 @@
 """Functional RNG capture: the recompute draws the forward's random numbers.
 
-Capture is lazy: the state of a generator is copied (as a value) just before the
-first random op of the region that uses it, whether it is an explicit
-``generator=`` or the default generator of the op's device. The recompute runs
-each random op on a private clone made from that value, so the caller's
-generators are never touched and end where plain autograd would leave them.
+A generator's state is kept (as a value) only if the region drew from it. When
+the region's forward already runs under remat's dispatch mode (per-op policies,
+`remat.debug`), the state is copied just before the first random op that uses
+the generator. Otherwise the forward runs with no mode at all: the default
+generators (CPU, and CUDA devices in use) and the explicit generators the region
+can see are read before it, and a state is kept only if it changed. The
+recompute runs each random op on a private clone made from that value, so the
+caller's generators are never touched and end where plain autograd leaves them;
+a random op on a generator the forward did not capture raises instead of
+drawing other numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["RngCapture", "is_random"]
+from ._errors import RecomputeError
+
+__all__ = ["RngCapture", "RngReplay", "is_random", "visible_generators"]
 
 _RANDOM: dict[Any, bool] = {}
 _local = threading.local()
@@ -56,27 +63,116 @@ def _op_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Genera
     return _default_generator(_op_device(args, kwargs))
 
 
+def _find(clones: dict[torch.Generator, torch.Generator], generator: torch.Generator) -> Any:
+    """The clone of ``generator``, also when torch hands it over as another Python object.
+
+    A dispatch mode sees an explicit generator as a different wrapper of the same
+    generator; during a recompute the caller's generator is untouched, so the two
+    show the same device, seed and state.
+    """
+    clone = clones.get(generator)
+    if clone is None:
+        for original, candidate in clones.items():
+            if (
+                original.device == generator.device
+                and original.initial_seed() == generator.initial_seed()
+                and torch.equal(original.get_state(), generator.get_state())
+            ):
+                clones[generator] = clone = candidate
+                break
+    return clone
+
+
 def _active(generator: torch.Generator) -> torch.Generator:
     """The generator an op really draws from: a replay clone inside a recompute."""
     for clones in reversed(getattr(_local, "replays", ())):
-        clone = clones.get(generator)
+        clone = _find(clones, generator)
         if clone is not None:
             return clone
     return generator
 
 
-class RngCapture:
-    """Generator states a region consumed, captured at its first random op."""
+def visible_generators(fn: Any, leaves: list[Any], extra: list[Any]) -> list[torch.Generator]:
+    """Explicit generators a region can see.
 
-    __slots__ = ("states",)
+    Those in its arguments, ``extra`` ones (attributes of the modules it sees), and
+    those in the closures and named globals of ``fn`` and of the functions these
+    lead to, three calls deep.
+    """
+    found = [g for g in [*leaves, *extra] if isinstance(g, torch.Generator)]
+    functions, visited = [fn], set()
+    for _ in range(3):
+        reached: list[Any] = []
+        for function in functions:
+            func = getattr(function, "__func__", function)
+            code = getattr(func, "__code__", None)
+            if code is None or id(func) in visited:
+                continue
+            visited.add(id(func))
+            scope = func.__globals__
+            values = [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
+            values.extend(scope[name] for name in code.co_names if name in scope)
+            found.extend(v for v in values if isinstance(v, torch.Generator))
+            reached.extend(v for v in values if hasattr(v, "__code__") or hasattr(v, "__func__"))
+        functions = reached
+    return found
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _default_generators() -> list[torch.Generator]:
+    generators = [torch.default_generator]
+    if torch.cuda.is_initialized():
+        generators.extend(torch.cuda.default_generators)
+    return generators
+
+
+def _initial_state(generator: torch.Generator) -> torch.Tensor:
+    """The state a lazily initialized (CUDA) generator starts from."""
+    fresh = torch.Generator(device=generator.device)
+    fresh.manual_seed(generator.initial_seed())
+    return fresh.get_state()
+
+
+class RngCapture:
+    """Generator states a region consumed, as values."""
+
+    __slots__ = ("cuda_ready", "snapshot", "states")
 
     def __init__(self) -> None:
         self.states: dict[torch.Generator, torch.Tensor] = {}
+        self.snapshot: list[tuple[torch.Generator, torch.Tensor]] = []
+        self.cuda_ready = True
 
     def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Under a dispatch mode: capture the generator of a random op about to run."""
         generator = _op_generator(args, kwargs)
         if generator is not None and generator not in self.states:
             self.states[generator] = _active(generator).get_state()
+
+    def start(self, visible: list[torch.Generator]) -> None:
+        """Without a dispatch mode: read every generator the region may draw from."""
+        self.cuda_ready = torch.cuda.is_initialized()
+        generators = dict.fromkeys([*_default_generators(), *visible])
+        self.snapshot = [(g, _active(g).get_state()) for g in generators]
+
+    def finish(self) -> None:
+        """Keep the states of the generators the forward drew from."""
+        for generator, state in self.snapshot:
+            if not torch.equal(_active(generator).get_state(), state):
+                self.states.setdefault(generator, state)
+        if not self.cuda_ready and torch.cuda.is_initialized():  # first used in the region
+            for generator in torch.cuda.default_generators:
+                initial = _initial_state(generator)
+                if not torch.equal(generator.get_state(), initial):
+                    self.states.setdefault(generator, initial)
+        self.snapshot = []
 
     def replay(self) -> RngReplay:
         clones = {}
@@ -106,9 +202,16 @@ class RngReplay:
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         generator = _op_generator(args, kwargs)
-        clone = self.clones.get(generator) if generator is not None else None
-        if clone is None:
+        if generator is None:
             return func(*args, **kwargs)
+        clone = _find(self.clones, generator)
+        if clone is None:
+            raise RecomputeError(
+                f"`remat`: the recompute's {func} draws from a generator ({generator.device}) "
+                "that the forward did not draw from, or that remat could not see. Pass an "
+                "explicit `torch.Generator` to the function as an argument (or keep it in a "
+                "closure, a global the function names, or a module attribute)."
+            )
         if any(arg.name == "generator" for arg in func._schema.arguments):
             return func(*args, **{**kwargs, "generator": clone})
         # No `generator=` in the schema (CUDA's fused native_dropout): lend the

@@ -19,6 +19,7 @@ _F: Any = torch._C._functorch
 
 __all__ = [
     "current_graph_task_id",
+    "functorch_cleared",
     "functorch_interpreters",
     "is_dead_wrapper",
     "level_witness",
@@ -201,6 +202,12 @@ def levels_popped(count: int) -> Iterator[None]:
     finally:
         for layer in reversed(popped):
             _F.push_dynamic_layer_stack(layer)
+
+
+def functorch_cleared() -> contextlib.AbstractContextManager[None]:
+    """Run plain tensor code outside every torch.func level (outside a dispatch mode)."""
+    depth = int(_F.get_dynamic_layer_stack_depth())
+    return levels_popped(depth) if depth else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from . import _torch_private
 from ._engine import Region, running_region
 from ._modules import ModuleState
 from ._policies import OpCall, Policy, resolve
+from ._rng import visible_generators
 
 __all__ = ["name", "remat"]
 
@@ -113,7 +114,13 @@ def remat(
         leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         modules = ModuleState.capture(fn, leaves)
-        region = Region(fn, (args, kwargs), inputs, modules, resolved, preserve_rng, compare)
+        generators = []
+        if preserve_rng:
+            extra = modules.generators if modules is not None else []
+            generators = visible_generators(fn, leaves, extra)
+        region = Region(
+            fn, (args, kwargs), inputs, modules, generators, resolved, preserve_rng, compare
+        )
         return region.forward()
 
     wrapper.policy = resolved  # type: ignore[attr-defined]

@@ -346,3 +346,20 @@ def test_requiring_grad_at_the_outermost_level():
 
     grad(f)(torch.ones(3))
     assert seen == {"level": 1, "requires_grad": True}
+
+
+def test_functorch_cleared_runs_outside_every_level():
+    """Inside functorch_cleared no level is active, and the levels come back after."""
+    seen = {}
+
+    def f(x):
+        with tp.functorch_cleared():
+            seen["inside"] = tp.functorch_interpreters()
+            seen["plain"] = tp.wrapper_level(torch.ones(2))
+        seen["after"] = len(tp.functorch_interpreters())
+        return x.sin().sum()
+
+    vmap(grad(f))(torch.ones(2, 3))
+    assert seen == {"inside": [], "plain": -1, "after": 2}
+    with tp.functorch_cleared():
+        assert tp.functorch_interpreters() == []
