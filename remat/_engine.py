@@ -402,6 +402,8 @@ class Region:
             try:
                 self.fn(*call[0], **call[1])
             except _Stop:
+                if self.keeper is not None:
+                    self.keeper.release()
                 return values
         saved = next(counter)
         raise RecomputeError(

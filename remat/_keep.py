@@ -52,6 +52,26 @@ def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
+aten = torch.ops.aten
+# Ops that read only the shape, dtype and device of their tensor arguments.
+_METADATA_ONLY = frozenset(
+    {
+        aten.empty_like,
+        aten.zeros_like,
+        aten.ones_like,
+        aten.full_like,
+        aten.rand_like,
+        aten.randn_like,
+        aten.randint_like,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.new_zeros,
+        aten.new_ones,
+        aten.new_full,
+    }
+)
+
+
 def _version(out: Any) -> int:
     return sum(t._version for t in _outputs(out))
 
@@ -73,6 +93,7 @@ class Keeper:
         "rebuilt_before",
         "roots",
         "skip",
+        "skips",
         "sources",
         "tags",
         "wanted",
@@ -95,6 +116,7 @@ class Keeper:
         self.sources: dict[int, str] | None = {} if sources else None
         self.error: Exception | None = None
         self.rebuilt_before = 0
+        self.skips = True
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Record one forward op: what it read, and the policy's decision on its outputs."""
@@ -102,10 +124,15 @@ class Keeper:
         self.count += 1
         self.ops.append(func)
         produced = self.produced
-        reads = {produced[id(t)] for t in _tensors(args) if id(t) in produced}
-        if kwargs:
-            reads.update(produced[id(t)] for t in _tensors(kwargs.values()) if id(t) in produced)
-        self.deps.append(tuple(reads))
+        if func.overloadpacket in _METADATA_ONLY:
+            self.deps.append(())
+        else:
+            reads = {produced[id(t)] for t in _tensors(args) if id(t) in produced}
+            if kwargs:
+                reads.update(
+                    produced[id(t)] for t in _tensors(kwargs.values()) if id(t) in produced
+                )
+            self.deps.append(tuple(reads))
         outputs = _outputs(out)
         every = len(out) if isinstance(out, (list, tuple)) else 1
         self.metas.append(_map(out, _Shape) if outputs and len(outputs) == every else None)
@@ -169,6 +196,31 @@ class Keeper:
         """
         if self.error is not None:
             raise self.error
+        self.skips = skip
+        needed = self._needed()
+        with _torch_private.functorch_cleared():
+            for index in list(self.kept):
+                out, version = self.kept.pop(index)
+                if index in needed and _version(out) == version:
+                    alias = _map(out, torch.Tensor.detach)  # shares out's version counter
+                    if index in self.offload:
+                        alias = _move(alias, self.offload[index][1])
+                    self.kept[index] = (alias, _version(alias))
+        self._skip(needed)
+        self.produced, self.keys = {}, {}
+
+    def release(self) -> None:
+        """After a recompute: drop every kept value, as nothing may read them again.
+
+        Only a second backward through the same graph (``retain_graph=True``) could;
+        it then runs those ops again, so the ops they read are no longer skipped.
+        """
+        if self.kept:
+            self.kept.clear()
+            self._skip(self._needed())
+
+    def _needed(self) -> set[int]:
+        """Ops the recompute must run: backwards from rebuilt values, stopping at kept ones."""
         limit = self.rebuilt_before
         needed: set[int] = set()
         stack = [i for i in self.wanted if i < limit] + [r for r in self.roots if r < limit]
@@ -179,17 +231,18 @@ class Keeper:
             needed.add(index)
             if index not in self.kept:
                 stack.extend(self.deps[index])
-        with _torch_private.functorch_cleared():
-            for index in list(self.kept):
-                out, version = self.kept.pop(index)
-                if index in needed and _version(out) == version:
-                    alias = _map(out, torch.Tensor.detach)  # shares out's version counter
-                    if index in self.offload:
-                        alias = _move(alias, self.offload[index][1])
-                    self.kept[index] = (alias, _version(alias))
-        if skip:
+        return needed
+
+    def _skip(self, needed: set[int]) -> None:
+        limit = self.rebuilt_before
+        if self.skips:
             self.skip = {i: self.metas[i] for i in range(limit) if i not in needed}
-        self.produced, self.deps, self.metas, self.keys, self.roots = {}, [], [], {}, []
+
+    def skip_shapes(self) -> list[_Shape]:
+        shapes: list[_Shape] = []
+        for meta in self.skip.values():
+            shapes.extend([meta] if isinstance(meta, _Shape) else meta)
+        return shapes
 
     def value(self, index: int) -> Any:
         """A kept value, on its own device, as a fresh alias autograd may attach to."""
@@ -209,13 +262,16 @@ class Replayer:
     """The recompute side: kept values and placeholders, at their op index.
 
     It runs inside the recompute's dispatch mode, below torch.func's levels.
+    Placeholders of one recompute are views of one scratch buffer per dtype and
+    device: nothing reads or writes them, only their layout matters.
     """
 
-    __slots__ = ("count", "keeper")
+    __slots__ = ("count", "keeper", "scratch")
 
     def __init__(self, keeper: Keeper) -> None:
         self.keeper = keeper
         self.count = 0
+        self.scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def next(self) -> tuple[bool, Any]:
         index = self.count
@@ -226,8 +282,18 @@ class Replayer:
         if meta is None:
             return False, None
         if isinstance(meta, _Shape):
-            return True, meta.placeholder()
-        return True, type(meta)(m.placeholder() for m in meta)
+            return True, self._placeholder(meta)
+        return True, type(meta)(self._placeholder(m) for m in meta)
+
+    def _placeholder(self, meta: _Shape) -> torch.Tensor:
+        """An output nobody reads, with the forward's layout (composite ops such as
+        ``matmul`` choose their next ops by it)."""
+        key = (meta.dtype, meta.device)
+        scratch = self.scratch.get(key)
+        if scratch is None:
+            size = max(m.elements for m in self.keeper.skip_shapes() if (m.dtype, m.device) == key)
+            scratch = self.scratch[key] = torch.empty(size, dtype=meta.dtype, device=meta.device)
+        return scratch.as_strided(meta.shape, meta.stride)
 
 
 class _Shape:
@@ -238,13 +304,12 @@ class _Shape:
     def __init__(self, t: torch.Tensor) -> None:
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
 
-    def placeholder(self) -> torch.Tensor:
-        """An output nobody reads, uninitialized, with the forward's layout.
-
-        The layout matters: composite ops above the dispatcher (``matmul``) choose
-        their next ops by it. It lives only until the op that asked for it returns.
-        """
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+    @property
+    def elements(self) -> int:
+        """How many elements a storage needs to hold this layout."""
+        if 0 in self.shape:
+            return 1
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
 
 
 def _move(out: Any, device: torch.device) -> Any:
