@@ -72,6 +72,19 @@ _METADATA_ONLY = frozenset(
 )
 
 
+_READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
+_KINDS: dict[Any, int] = {}
+
+
+def _kind(func: Any) -> int:
+    """How the bookkeeping treats an op (cached per overload)."""
+    if func.overloadpacket in _METADATA_ONLY:
+        return _READS_METADATA
+    if is_random(func) or func._schema.is_mutable:
+        return _ALWAYS_RUNS
+    return _VIEW if func.is_view else _DECIDED
+
+
 def _version(out: Any) -> int:
     return sum(t._version for t in _outputs(out))
 
@@ -124,24 +137,32 @@ class Keeper:
         self.count += 1
         self.ops.append(func)
         produced = self.produced
-        if func.overloadpacket in _METADATA_ONLY:
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        if kind == _READS_METADATA:
             self.deps.append(())
         else:
-            reads = {produced[id(t)] for t in _tensors(args) if id(t) in produced}
-            if kwargs:
-                reads.update(
-                    produced[id(t)] for t in _tensors(kwargs.values()) if id(t) in produced
-                )
+            reads: set[int] = set()
+            for arg in (*args, *kwargs.values()) if kwargs else args:
+                if isinstance(arg, (list, tuple)):
+                    reads.update(produced[id(a)] for a in arg if id(a) in produced)
+                elif id(arg) in produced:
+                    reads.add(produced[id(arg)])
             self.deps.append(tuple(reads))
-        outputs = _outputs(out)
-        every = len(out) if isinstance(out, (list, tuple)) else 1
-        self.metas.append(_map(out, _Shape) if outputs and len(outputs) == every else None)
-        for t in outputs:
-            produced[id(t)] = index
-        if not outputs or self.metas[-1] is None or is_random(func) or func._schema.is_mutable:
+        if isinstance(out, torch.Tensor):
+            produced[id(out)] = index
+            self.metas.append(_Shape(out))
+        elif isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out):
+            for t in out:
+                produced[id(t)] = index
+            self.metas.append(type(out)(map(_Shape, out)) if out else None)
+        else:
+            self.metas.append(None)
+        if kind == _ALWAYS_RUNS or self.metas[-1] is None:
             self.roots.append(index)
             return
-        if func.is_view:
+        if kind == _VIEW:
             return
         try:
             decision = self.policy.decide(func, lambda: OpCall(func, args, kwargs, out))
