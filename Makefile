@@ -30,6 +30,10 @@ test: $(PKG)
 	$(BIN)/pytest --doctest-modules --pyargs remat --nbmake notebooks
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
+# The benchmark suite (about 4 minutes on 2 cores); results land in the docs.
+bench: $(PKG)
+	$(BIN)/python -m benchmarks.suite --out docs/benchmarks
+
 docs: $(PKG)
 	$(BIN)/mkdocs serve
 

@@ -1,0 +1,465 @@
+"""The benchmark suite: memory held and time paid, remat side by side with the alternatives.
+
+Everything runs in one process. Memory is counted exactly with `remat.memory.track()`
+on CPU (live bytes of tensor storages) or with the CUDA allocator on a GPU; times are
+medians of interleaved rounds after warm-up. Run ``python -m benchmarks.suite --help``.
+Writes a table (stdout and ``results.md``), ``results.json`` and two plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import importlib.util
+import json
+import random
+import statistics
+import time
+import timeit
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import grad, vmap
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import remat
+
+from ._models import GPT, Block, Checkpoint, GPTConfig, checkpoint_modes, make_batches
+from .demo import _bytes, _table
+
+aten = torch.ops.aten
+SAC_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAC_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def torch_sac(block: Block) -> Block:
+    """torch's selective activation checkpointing, saving the matmuls `save_matmuls` saves."""
+    context = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+    return functools.partial(checkpoint, block, use_reentrant=False, context_fn=context)
+
+
+def modes() -> tuple[dict[str, Checkpoint], str | None]:
+    """Every mode to compare, and a note when the optional peer is missing."""
+    found = checkpoint_modes()
+    found = {
+        "plain": found.pop("plain"),
+        "torch.utils.checkpoint": found.pop("torch.utils.checkpoint"),
+        "torch SAC (mm, addmm, bmm, baddbmm)": torch_sac,
+        **found,
+    }
+    if importlib.util.find_spec("torch_remat") is None:
+        return found, "torch_remat is not installed (`pip install torch-remat`): left out."
+    import torch_remat  # pragma: no cover - an optional peer, not installed in CI
+
+    found["torch_remat"] = lambda block: torch_remat.remat(block)  # pragma: no cover
+    return found, None
+
+
+@dataclasses.dataclass
+class Row:
+    """One mode on one workload."""
+
+    workload: str
+    mode: str
+    held: int
+    peak: int
+    time: float | None = None
+    loss: float | None = None
+    same_loss: bool | None = None
+
+
+def _device_memory(device: torch.device) -> Any:
+    """A context with ``.live``/``.peak``: exact storage counts on CPU, allocator on CUDA."""
+    if device.type != "cuda":
+        return remat.memory.track()
+
+    class Allocator:
+        def __enter__(self) -> Allocator:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            torch.cuda.synchronize()
+
+        @property
+        def live(self) -> int:
+            return torch.cuda.memory_allocated() - self.base
+
+        @property
+        def peak(self) -> int:
+            return torch.cuda.max_memory_allocated() - self.base
+
+        def reset_peak(self) -> None:
+            torch.cuda.reset_peak_memory_stats()
+
+    return Allocator()
+
+
+def _measure_memory(step: Callable[[], Tensor], device: torch.device) -> tuple[int, int, Tensor]:
+    """Bytes held right after the forward, and the peak over forward and backward."""
+    with _device_memory(device) as mem:
+        loss = step()
+        held = mem.live
+        loss.backward()
+        peak = mem.peak
+    return held, peak, loss.detach()
+
+
+def _interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, warmup: int) -> dict:
+    """Median seconds per step, modes taking turns in a shuffled order each round."""
+    names, order = list(steps), random.Random(0)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + rounds):
+        order.shuffle(names)
+        for name in names:
+            start = time.perf_counter()
+            steps[name]()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def gpt_workload(
+    name: str, config: GPTConfig, batch: int, rounds: int, warmup: int, device: torch.device
+) -> list[Row]:
+    """A GPT: memory and the time of forward plus backward, per mode."""
+    torch.manual_seed(0)
+    base = GPT(config).to(device)
+    tokens, targets = (t.to(device) for t in make_batches(config, batch, 1)[0])
+    all_modes, _ = modes()
+    models = {}
+    for mode, wrap in all_modes.items():
+        models[mode] = copy.deepcopy(base)
+        models[mode].checkpoint = wrap
+
+    def step(model: GPT) -> Tensor:
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        return model.loss(tokens, targets)
+
+    rows = []
+    for mode, model in models.items():
+        held, peak, loss = _measure_memory(functools.partial(step, model), device)
+        rows.append(Row(name, mode, held, peak, loss=loss.item()))
+    if rounds:
+
+        def timed(model: GPT) -> None:
+            step(model).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        times = _interleaved_times(
+            {mode: functools.partial(timed, m) for mode, m in models.items()}, rounds, warmup
+        )
+        for row in rows:
+            row.time = times[row.mode]
+    plain_loss = rows[0].loss
+    for row in rows:
+        row.same_loss = row.loss == plain_loss
+    return rows
+
+
+def _mlp_weights(depth: int, width: int, hidden: int, device: torch.device) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for _ in range(depth):
+        weights += [torch.randn(width, hidden, generator=gen) / width**0.5]
+        weights += [torch.randn(hidden, width, generator=gen) / hidden**0.5]
+    return [w.to(device).requires_grad_() for w in weights]
+
+
+def _mlp_layer(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    return x + F.gelu(x @ w1) @ w2
+
+
+def mlp_workload(
+    depth: int, width: int, hidden: int, batch: int, rounds: int, device: torch.device
+) -> list[Row]:
+    """An MLP stack of residual layers: memory and time per mode."""
+    weights = _mlp_weights(depth, width, hidden, device)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1)).to(device)
+    name = f"MLP {depth}x({width}->{hidden}->{width})"
+    steps, rows = {}, []
+    for mode, wrap in modes()[0].items():
+        layer = wrap(_mlp_layer) if mode != "plain" else _mlp_layer
+
+        def step(layer: Block = layer) -> Tensor:
+            for w in weights:
+                w.grad = None
+            h = x
+            for w1, w2 in zip(weights[::2], weights[1::2], strict=True):
+                h = layer(h, w1, w2)
+            return h.square().mean()
+
+        held, peak, loss = _measure_memory(step, device)
+        rows.append(Row(name, mode, held, peak, loss=loss.item()))
+        steps[mode] = lambda step=step: step().backward()
+    if rounds:
+        times = _interleaved_times(steps, rounds, 2)
+        for row in rows:
+            row.time = times[row.mode]
+    for row in rows:
+        row.same_loss = row.loss == rows[0].loss
+    return rows
+
+
+def depth_sweep(depths: Sequence[int], config: GPTConfig, batch: int, device: torch.device) -> list:
+    """Bytes held after the forward against depth, per mode."""
+    rows = []
+    for depth in depths:
+        sized = dataclasses.replace(config, blocks=depth)
+        rows += gpt_workload(f"depth {depth}", sized, batch, 0, 0, device)
+    return rows
+
+
+def per_sample_workload(
+    depth: int, width: int, hidden: int, batch: int, device: torch.device
+) -> list:
+    """Per-sample gradients with vmap(grad): only remat can checkpoint here."""
+    weights = [w.detach() for w in _mlp_weights(depth, width, hidden, device)]
+    xs = torch.randn(batch, width, generator=torch.Generator().manual_seed(2)).to(device)
+
+    def loss(ws: list[Tensor], x: Tensor, layer: Block) -> Tensor:
+        h = x
+        for w1, w2 in zip(ws[::2], ws[1::2], strict=True):
+            h = layer(h, w1, w2)
+        return h.square().mean()
+
+    rows, reference = [], None
+    for mode, layer in {"plain": _mlp_layer, "remat save_nothing": remat.remat(_mlp_layer)}.items():
+        with _device_memory(device) as mem:
+            grads = vmap(grad(loss), in_dims=(None, 0, None))(weights, xs, layer)
+        reference = reference or grads
+        same = all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
+        rows.append(Row("per-sample grads, vmap(grad)", mode, 0, mem.peak, same_loss=same))
+    try:
+        wrapped = functools.partial(checkpoint, _mlp_layer, use_reentrant=False)
+        vmap(grad(loss), in_dims=(None, 0, None))(weights, xs, wrapped)
+    except RuntimeError as error:
+        note = f"torch.utils.checkpoint under vmap(grad) fails: {str(error).splitlines()[0]}"
+    else:  # pragma: no cover - torch would have to change
+        note = "torch.utils.checkpoint ran under vmap(grad)"
+    return [*rows, note]
+
+
+def overhead(repeat: int) -> dict[str, float]:
+    """Microseconds per call (forward and backward) of a tiny region."""
+    x = torch.randn(8, requires_grad=True)
+
+    def f(x: Tensor) -> Tensor:
+        return x.sin().exp()
+
+    cases = {
+        "plain": f,
+        "torch.utils.checkpoint": functools.partial(checkpoint, f, use_reentrant=False),
+        "remat": remat.remat(f),
+    }
+    best: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, g in cases.items():
+            best[name].append(timeit.timeit(lambda g=g: g(x).sum().backward(), number=200) / 200)
+    return {name: 1e6 * statistics.median(ts) for name, ts in best.items()}
+
+
+def rng_overhead(config: GPTConfig, batch: int, repeat: int) -> dict[str, float]:
+    """RNG capture on a region with no random ops: one block's forward, with and without."""
+    from ._models import DecoderBlock
+
+    block = DecoderBlock(dataclasses.replace(config, dropout=0.0))
+    x = torch.randn(batch, config.seq, config.width, requires_grad=True)
+    cases = {
+        "plain": block.forward,
+        "preserve_rng=True": remat.remat(block.forward),
+        "preserve_rng=False": remat.remat(block.forward, preserve_rng=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, f in cases.items():
+            times[name].append(timeit.timeit(lambda f=f: f(x), number=5) / 5)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    return f"{value / reference:.2f}x" if value and reference else "-"
+
+
+def format_rows(rows: Sequence[Row]) -> str:
+    """One table per workload: held, peak, time, ratios to plain and to checkpoint."""
+    out = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        group = [r for r in rows if r.workload == workload]
+        plain = next(r for r in group if r.mode == "plain")
+        ckpt = next((r for r in group if r.mode == "torch.utils.checkpoint"), None)
+        body = []
+        for r in group:
+            body.append(
+                [
+                    r.mode,
+                    _bytes(r.held) if r.held else "-",
+                    _ratio(r.held, plain.held),
+                    _ratio(r.held, ckpt.held if ckpt else None),
+                    _bytes(r.peak),
+                    _ratio(r.peak, plain.peak),
+                    f"{1e3 * r.time:.0f} ms" if r.time else "-",
+                    _ratio(r.time, plain.time),
+                    _ratio(r.time, ckpt.time if ckpt else None),
+                    {True: "yes", False: "NO", None: "-"}[r.same_loss],
+                ]
+            )
+        header = [
+            "mode",
+            "held",
+            "x plain",
+            "x ckpt",
+            "peak",
+            "x plain",
+            "time",
+            "x plain",
+            "x ckpt",
+            "= plain",
+        ]
+        out.append(f"### {workload}\n\n{_table(header, body)}")
+    return "\n\n".join(out)
+
+
+def _plots(rows: Sequence[Row], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    reference = [r for r in rows if r.workload == "reference GPT" and r.time]
+    if reference:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in reference:
+            ax.scatter(r.time * 1e3, r.held / 2**20)
+            ax.annotate(r.mode, (r.time * 1e3, r.held / 2**20), fontsize=7)
+        ax.set(
+            xlabel="step time (ms)",
+            ylabel="held after forward (MiB)",
+            title="Reference GPT: memory against time",
+        )
+        fig.tight_layout()
+        fig.savefig(out / "memory_vs_time.png", dpi=120)
+        files.append("memory_vs_time.png")
+    sweep = [r for r in rows if r.workload.startswith("depth ")]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for mode in dict.fromkeys(r.mode for r in sweep):
+            points = [(int(r.workload.split()[1]), r.held / 2**20) for r in sweep if r.mode == mode]
+            ax.plot(*zip(*points, strict=True), marker="o", label=mode)
+        ax.set(xlabel="blocks", ylabel="held after forward (MiB)", title="Memory against depth")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "memory_vs_depth.png", dpi=120)
+        files.append("memory_vs_depth.png")
+    plt.close("all")
+    return files
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for the test suite")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every workload, print the tables, write results.md, results.json and plots."""
+    args = _parse(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        reference = GPTConfig(vocab=64, seq=16, width=32, heads=2, blocks=2)
+        sizes = {"batch": 2, "rounds": 1, "warmup": 0, "depths": (2, 4), "mlp": (4, 16, 32, 4)}
+    else:
+        reference = GPTConfig(vocab=512, seq=128, width=512, heads=8, blocks=8, dropout=0.1)
+        sizes = {
+            "batch": 4,
+            "rounds": 6,
+            "warmup": 2,
+            "depths": (4, 8, 16, 32),
+            "mlp": (8, 64, 256, 128),
+        }
+    start = time.perf_counter()
+    _, missing = modes()
+    header = (
+        f"torch {torch.__version__}, {device.type}, {torch.get_num_threads()} threads. "
+        f"Memory: {'CUDA allocator' if device.type == 'cuda' else 'remat.memory.track'}."
+    )
+    print(header + (f"\n{missing}" if missing else ""), flush=True)
+
+    rows = gpt_workload(
+        "reference GPT", reference, sizes["batch"], sizes["rounds"], sizes["warmup"], device
+    )
+    depth, width, hidden, batch = sizes["mlp"]
+    rows += mlp_workload(depth, width, hidden, batch * 8, sizes["rounds"] * 3, device)
+    sweep_config = dataclasses.replace(reference, width=max(32, reference.width // 4))
+    rows += depth_sweep(sizes["depths"], sweep_config, sizes["batch"], device)
+    per_sample = per_sample_workload(depth, width, hidden, batch, device)
+    note = per_sample.pop()
+    rows += per_sample
+
+    micro = overhead(3 if args.smoke else 15) if device.type == "cpu" else {}
+    rng = (
+        rng_overhead(reference, sizes["batch"], 2 if args.smoke else 15)
+        if device.type == "cpu"
+        else {}
+    )
+    tables = format_rows(rows)
+    lines = [header, missing or "", tables, note]
+    if micro:
+        lines.append(
+            "Tiny region, forward and backward, us per call: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in micro.items())
+        )
+    if rng:
+        cost = (rng["preserve_rng=True"] - rng["preserve_rng=False"]) / rng["plain"]
+        lines.append(
+            "One reference block's forward, ms: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in rng.items())
+            + f"; RNG capture costs {100 * cost:.2f}% of the block's forward"
+        )
+    report = "\n\n".join(line for line in lines if line)
+    print(report)
+    files = _plots(rows, args.out)
+    (args.out / "results.md").write_text(report + "\n")
+    results = {
+        "header": header,
+        "missing": missing,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "per_sample_note": note,
+        "overhead_us": micro,
+        "rng_block_forward_ms": rng,
+        "plots": files,
+        "seconds": time.perf_counter() - start,
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print(
+        f"\nwrote {args.out}/results.md, results.json, {', '.join(files)} "
+        f"({results['seconds']:.0f} s)"
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The benchmark suite runs end to end at tiny sizes, so it cannot rot."""
+
+import json
+
+from benchmarks import suite
+
+
+def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
+    """A --smoke run measures every mode on every workload and writes all its outputs."""
+    results = suite.main(["--smoke", "--out", str(tmp_path), "--threads", "1"])
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["rows"] == results["rows"]
+    assert sorted(written["plots"]) == ["memory_vs_depth.png", "memory_vs_time.png"]
+    for plot in written["plots"]:
+        assert (tmp_path / plot).stat().st_size > 0
+    modes = set(suite.modes()[0])
+    workloads = {row["workload"] for row in written["rows"]}
+    for workload in workloads - {"per-sample grads, vmap(grad)"}:
+        assert {r["mode"] for r in written["rows"] if r["workload"] == workload} == modes
+    assert all(r["same_loss"] for r in written["rows"]), "every mode computes plain's loss"
+    reference = [r for r in written["rows"] if r["workload"] == "reference GPT"]
+    assert all(r["time"] > 0 for r in reference)
+    table = (tmp_path / "results.md").read_text()
+    assert "### reference GPT" in table
+    assert table.strip() in capsys.readouterr().out
+    assert "fails" in written["per_sample_note"]
