@@ -1,0 +1,1 @@
+"""Benchmarks and the demo; run them as scripts, e.g. ``python benchmarks/demo.py``."""
