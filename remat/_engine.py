@@ -34,7 +34,7 @@ from ._errors import (
 from ._keep import Keeper, Replayer
 from ._modules import ModuleState
 from ._policies import Policy
-from ._rng import RngCapture
+from ._rng import RngCapture, RngLend
 
 __all__ = ["Region", "running_region"]
 
@@ -360,7 +360,10 @@ class Region:
         packs = iter(self.kinds)
         counter = itertools.count()
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
-        replay = self.rng.replay() if self.rng is not None else None
+        # The recompute runs under the forward's dispatch setup: a mode only if it had one.
+        moded = self.keeper is not None or self.trace is not None
+        replay = self.rng.replay() if self.rng is not None and moded else None
+        lend = RngLend(self.rng.states) if self.rng is not None and not moded else None
         replayer = Replayer(self.keeper) if self.keeper is not None else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
@@ -395,9 +398,11 @@ class Region:
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
+            if lend is not None and lend.states:
+                stack.enter_context(lend)
             if replay is not None:
                 stack.enter_context(replay)
-            if replay is not None or replayer is not None or trace is not None:
+            if moded:
                 stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
             try:
                 self.fn(*call[0], **call[1])

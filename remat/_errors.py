@@ -47,7 +47,7 @@ def debug() -> Iterator[None]:
     the user source line that called it; a divergence then prints both
     sequences side by side up to the first difference.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import remat, debug
         >>> with debug():

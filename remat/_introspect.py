@@ -29,7 +29,7 @@ class Residual:
         device: where it lives while held (the offload device for ``"offloaded"``).
         nbytes: bytes of its storage (shared storages are listed once).
         kind: ``"input"`` (a reference to an argument), ``"saved"`` or ``"offloaded"``.
-        op: the aten op that produced it, or None.
+        op: the aten op (an ``OpOverload``) that produced it, or None.
         name: its `remat.name` tag, or None.
         source: a short origin, such as ``output of aten.mm at model.py:42``.
     """
@@ -51,7 +51,7 @@ class Collector(TorchDispatchMode):
         super().__init__()
         self.records: list[tuple[Any, Residual]] = []
         self.arguments = {id(t): t for t in arguments}
-        self.producers: dict[int, tuple[Any, str]] = {}  # id(output) -> (op packet, line)
+        self.producers: dict[int, tuple[Any, str]] = {}  # id(output) -> (aten op, line)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -61,7 +61,7 @@ class Collector(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor):
-                self.producers[id(t)] = (func.overloadpacket, source_line())
+                self.producers[id(t)] = (func, source_line())
         return out
 
     def add(self, t: torch.Tensor, kind: Any, op: Any, name: str | None, source: str) -> None:
@@ -82,7 +82,7 @@ class Collector(TorchDispatchMode):
         from ._torch_private import unwrap_all
 
         op, line = self.producers.get(id(unwrap_all(t)), (None, None))
-        where = f"output of {op} at {line}" if op else "a tensor made outside `fn`"
+        where = f"output of {op.overloadpacket} at {line}" if op else "a tensor made outside `fn`"
         if path:
             where += f", argument {path} of a remat region"
         self.add(t, "saved", op, None, where)
@@ -113,7 +113,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
     Returns:
         A `Residual` per held tensor storage, inputs first.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> x = torch.randn(8, 8, requires_grad=True)
         >>> [r.kind for r in remat.saved_residuals(remat.remat(torch.sin), x)]
@@ -152,7 +152,7 @@ def _dedupe(records: list[tuple[Any, Residual]]) -> list[Residual]:
 def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """Print `saved_residuals` as a table, with the total bytes held.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> x = torch.randn(8, 8, requires_grad=True)
         >>> remat.print_saved_residuals(remat.remat(torch.sin), x)  # doctest: +NORMALIZE_WHITESPACE

@@ -47,8 +47,13 @@ def _map(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return out
 
 
-def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Which memory ``t`` shows: equal keys, equal views of the same data."""
+def storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Which memory ``t`` shows (equal keys: equal views of the same data), if it has any.
+
+    Forward-mode AD makes zero tangents with no storage at all.
+    """
+    if t._is_zerotensor():
+        return None
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
@@ -190,7 +195,9 @@ class Keeper:
             return
         self.kept[index] = (out, _version(out))
         for t in _outputs(out):
-            self.keys[storage_key(t)] = index
+            key = storage_key(t)
+            if key is not None:
+                self.keys[key] = index
         if decision is Decision.OFFLOAD:
             target = self.policy.device or torch.device("cpu")
             self.offload[index] = (_outputs(out)[0].device, target)
@@ -205,7 +212,7 @@ class Keeper:
         plain = _torch_private.unwrap_all(t)
         index = self.produced.get(id(plain))
         if index is None and self.keys:
-            index = self.keys.get(storage_key(plain))
+            index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
         if index is not None:
             self.wanted.add(index)
 

@@ -26,7 +26,7 @@ class track(TorchDispatchMode):  # noqa: N801 - used as a context manager, like 
         live: bytes allocated inside the context that are alive now.
         peak: the largest ``live`` seen since entry or the last `reset_peak`.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> x = torch.randn(256, 256, requires_grad=True)
         >>> with remat.memory.track() as mem:

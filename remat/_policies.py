@@ -160,7 +160,7 @@ products (``bmm``, ``baddbmm``: attention scores) are recomputed.
 class save_ops(Policy):  # noqa: N801 - a policy factory, named like its siblings
     """Keep the outputs of the given aten ops (``OpOverload`` or ``OpOverloadPacket``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import remat, policies
         >>> f = remat(lambda x: x.sin().exp(), policy=policies.save_ops(torch.ops.aten.sin))

@@ -1,15 +1,20 @@
-"""Functional RNG capture: the recompute draws the forward's random numbers.
+"""RNG capture: the recompute draws the forward's random numbers.
 
-A generator's state is kept (as a value) only if the region drew from it. When
-the region's forward already runs under remat's dispatch mode (per-op policies,
-`remat.debug`), the state is copied just before the first random op that uses
-the generator. Otherwise the forward runs with no mode at all: the default
-generators (CPU, and CUDA devices in use) and the explicit generators the region
-can see are read before it, and a state is kept only if it changed. The
-recompute runs each random op on a private clone made from that value, so the
-caller's generators are never touched and end where plain autograd leaves them;
-a random op on a generator the forward did not capture raises instead of
-drawing other numbers.
+A generator's state is kept (as a value) only if the region drew from it. The
+forward and its recompute run under the same dispatch setup (composite ops such
+as ``reshape`` decompose differently under a Python dispatch mode), so there are
+two ways:
+
+- With remat's dispatch mode (per-op policies, `remat.debug`), the state is
+  copied just before the first random op that uses the generator, and the
+  recompute runs each random op on a private clone made from it; a random op on
+  a generator the forward did not draw from raises.
+- Without it, the default generators (CPU, and CUDA devices in use) and the
+  explicit generators the region can see are read before the forward, and a
+  state is kept only if it changed. The recompute lends each kept state to its
+  generator and gives the caller's state back when it ends.
+
+Either way the caller's generators end where plain autograd leaves them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from ._errors import RecomputeError
 
-__all__ = ["RngCapture", "RngReplay", "is_random", "visible_generators"]
+__all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "visible_generators"]
 
 _RANDOM: dict[Any, bool] = {}
 _local = threading.local()
@@ -181,6 +186,27 @@ class RngCapture:
             clone.set_state(state)
             clones[generator] = clone
         return RngReplay(clones)
+
+
+class RngLend:
+    """For one recompute without a dispatch mode: the forward's states, lent to the generators."""
+
+    __slots__ = ("caller", "states")
+
+    def __init__(self, states: dict[torch.Generator, torch.Tensor]) -> None:
+        self.states = states
+        self.caller: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        for generator, state in self.states.items():
+            active = _active(generator)
+            self.caller.append((active, active.get_state()))
+            active.set_state(state)
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in reversed(self.caller):
+            generator.set_state(state)
+        self.caller = []
 
 
 class RngReplay:

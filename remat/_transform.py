@@ -81,7 +81,7 @@ def remat(
         TypeError: ``fn`` is not callable, or ``policy`` has the wrong type.
         ValueError: ``policy`` names no known policy, or ``check`` is unknown.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import remat
         >>> @remat
@@ -134,7 +134,7 @@ def name(tree: _T, name: str) -> _T:
     policy is asked again about the op that produced each tensor, now with
     ``name`` in `OpCall.names`; outside a region it does nothing.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat import remat, name, policies
         >>> @remat(policy=policies.save_names("h"))
