@@ -295,7 +295,7 @@ class Region:
     def _unpack(self, packed: Any) -> torch.Tensor:
         """Autograd's unpack hook: `_fetch`, then what functorch's own pass should see."""
         value = self._fetch(packed)
-        if not self.levels or not isinstance(packed, _Handle):
+        if not self.levels or isinstance(packed, _Outer):
             return value
         with quiet():
             return self.levels.for_backward(value)
