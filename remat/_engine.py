@@ -398,7 +398,7 @@ class Region:
             if self.levels:
                 stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
-            if lend is not None and lend.states:
+            if lend is not None:
                 stack.enter_context(lend)
             if replay is not None:
                 stack.enter_context(replay)

@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
 
@@ -188,25 +189,43 @@ class RngCapture:
         return RngReplay(clones)
 
 
-class RngLend:
-    """For one recompute without a dispatch mode: the forward's states, lent to the generators."""
+class RngLend(TorchFunctionMode):
+    """For one recompute without a dispatch mode: the forward's states, lent to the generators.
 
-    __slots__ = ("caller", "states")
+    It also watches the torch calls of the recompute (a function mode leaves aten
+    decompositions alone): one with an explicit ``generator=`` the forward did not
+    capture raises, rather than draw other numbers.
+    """
 
     def __init__(self, states: dict[torch.Generator, torch.Tensor]) -> None:
+        super().__init__()
         self.states = states
         self.caller: list[tuple[torch.Generator, torch.Tensor]] = []
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> RngLend:
         for generator, state in self.states.items():
             active = _active(generator)
             self.caller.append((active, active.get_state()))
             active.set_state(state)
+        return super().__enter__()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
         for generator, state in reversed(self.caller):
             generator.set_state(state)
         self.caller = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator) and generator not in self.states:
+            raise RecomputeError(
+                f"`remat`: the recompute's {getattr(func, '__name__', func)} draws from a "
+                f"generator ({generator.device}) that the forward's capture did not see. Pass it "
+                "to the function as an argument (or keep it in a closure, a global the "
+                "function names, or a module attribute)."
+            )
+        return func(*args, **kwargs)
 
 
 class RngReplay:

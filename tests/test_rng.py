@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from remat import remat
+from remat import RecomputeError, remat
 
 F = torch.nn.functional
 GEN_A = torch.Generator().manual_seed(11)
@@ -250,3 +250,24 @@ def test_cuda_random_ops_replay_bitwise():
         return F.dropout(x.sin(), 0.5) * torch.rand_like(x) + (x * cpu).exp()
 
     _assert_same(run(on_cuda), run(remat(on_cuda)))
+
+
+class _Holder:
+    """Not a module: remat cannot see the generators it keeps."""
+
+    def __init__(self):
+        self.gen = torch.Generator().manual_seed(5)
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_generator_remat_cannot_see_raises_instead_of_drawing_other_numbers(policy):
+    """A generator out of remat's sight makes the recompute raise, with and without a mode."""
+    holder = _Holder()
+
+    def hidden(x):
+        return (x * torch.rand(x.shape, dtype=x.dtype, generator=holder.gen)).sin()
+
+    x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    y = remat(hidden, policy=policy)(x)
+    with pytest.raises(RecomputeError, match="generator"):
+        y.sum().backward()
