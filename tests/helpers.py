@@ -683,3 +683,15 @@ def scalar_fn(
     """``x -> scalar_of(outer(program)(x))``, with ``inner`` wrapping each block."""
     region = outer(build(program, inner)[0])
     return lambda x: scalar_of(region(x))
+
+
+def import_benchmark(name: str) -> Any:
+    """``benchmarks.<name>`` from the repository, while tests import the installed remat."""
+    import importlib
+    from pathlib import Path
+
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+        return importlib.import_module(f"benchmarks.{name}")

@@ -2,7 +2,9 @@
 
 import json
 
-from benchmarks import suite
+from tests.helpers import import_benchmark
+
+suite = import_benchmark("suite")
 
 
 def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):

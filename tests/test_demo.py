@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 from pathlib import Path
 from types import ModuleType
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import remat
+from tests.helpers import import_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -23,9 +23,7 @@ TINY = [
 
 
 def _import_demo() -> ModuleType:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT))
-        return importlib.import_module("benchmarks.demo")
+    return import_benchmark("demo")  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
