@@ -90,10 +90,10 @@ class Policy:
         return as_decision(self, self(call()), op)
 
     def __or__(self, other: Policy) -> Policy:
-        return _Either(self, resolve(other))
+        return _Combined(self, resolve(other), "|")
 
     def __and__(self, other: Policy) -> Policy:
-        return _Both(self, resolve(other))
+        return _Combined(self, resolve(other), "&")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -248,39 +248,25 @@ class offload(Policy):  # noqa: N801
 
 
 @dataclasses.dataclass(frozen=True)
-class _Either(Policy):
+class _Combined(Policy):
+    """``left | right`` keeps what either keeps; ``left & right``, what both keep."""
+
     left: Policy
     right: Policy
+    symbol: str
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", self.left.device or self.right.device)
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
-        return max(self.left.decide(op, call), self.right.decide(op, call))
+        pick = max if self.symbol == "|" else min
+        return pick(self.left.decide(op, call), self.right.decide(op, call))
 
     def __call__(self, call: OpCall) -> Decision:
         return self.decide(call.op, lambda: call)
 
     def __repr__(self) -> str:
-        return f"({self.left!r} | {self.right!r})"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Both(Policy):
-    left: Policy
-    right: Policy
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "device", self.left.device or self.right.device)
-
-    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
-        return min(self.left.decide(op, call), self.right.decide(op, call))
-
-    def __call__(self, call: OpCall) -> Decision:
-        return self.decide(call.op, lambda: call)
-
-    def __repr__(self) -> str:
-        return f"({self.left!r} & {self.right!r})"
+        return f"({self.left!r} {self.symbol} {self.right!r})"
 
 
 @dataclasses.dataclass(frozen=True)

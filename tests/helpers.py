@@ -18,6 +18,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPE = torch.float64
 NAMESPACE = "remat-tests"
@@ -695,3 +696,15 @@ def import_benchmark(name: str) -> Any:
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
         return importlib.import_module(f"benchmarks.{name}")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run while active, by name (``"aten.mm"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))

@@ -10,22 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from remat import _engine, memory, remat
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that run while active, by name (``"aten.sin"``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+from tests.helpers import OpCounter
 
 
 def _vector(seed=0, n=1000):
@@ -433,8 +421,7 @@ def test_backward_peak_equals_torch_checkpoint():
     """Forward and backward peaks match torch.utils.checkpoint's on an 8-layer MLP stack."""
     gen = torch.Generator().manual_seed(0)
     weights = [
-        (torch.randn(64, 256, generator=gen), torch.randn(256, 64, generator=gen))
-        for _ in range(8)
+        (torch.randn(64, 256, generator=gen), torch.randn(256, 64, generator=gen)) for _ in range(8)
     ]
     for w1, w2 in weights:
         w1.requires_grad_()

@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -21,6 +20,7 @@ from torch.utils.checkpoint import (
 
 from remat import Residual, memory, name, policies, print_saved_residuals, remat, saved_residuals
 from remat.policies import Decision, offload, save_all_but_names, save_names, save_ops
+from tests import helpers
 from tests.helpers import assert_tree_equal, tensor_leaves
 
 aten = torch.ops.aten
@@ -30,16 +30,8 @@ CPU = torch.device("cpu")
 MATMULS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that run while active, by name (``"aten.mm"``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+class OpCounter(helpers.OpCounter):
+    """`helpers.OpCounter`, plus the matmul counts."""
 
     def matmuls(self):
         return {str(op): self.counts[str(op)] for op in MATMULS}
