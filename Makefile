@@ -28,7 +28,7 @@ test: $(PKG)
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 tests
 	$(BIN)/pytest --doctest-modules --pyargs remat --nbmake notebooks
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The benchmark suite (about 4 minutes on 2 cores); results land in the docs.
 bench: $(PKG)

@@ -67,10 +67,14 @@ def remat(
             pytrees of tensors and other values, positional or keyword.
             Omit it to get a decorator: ``@remat(policy=...)``.
         policy: what to keep for backward: a name (``"save_nothing"``,
-            ``"save_everything"``) or a policy object from `remat.policies`.
-        preserve_rng: replay the forward's random numbers in the recompute,
-            bit for bit, without touching the caller's generators.
-        check: ``"shapes"`` compares the shape, dtype and device of every
+            ``"save_everything"``, ``"save_matmuls"``, ``"save_matmuls_no_batch"``),
+            a policy object from `remat.policies`, or a callable taking an
+            `OpCall` and returning a bool or a `Decision`.
+        preserve_rng: replay the forward's random numbers in the recompute, bit for
+            bit; every generator ends where plain autograd leaves it. Without a
+            per-op policy the recompute lends the captured states to the generators
+            while it runs (see the RNG docs).
+        check: ``"shapes"`` compares the shape, dtype, device and producing op of every
             recomputed value with the forward's; ``"none"`` skips that.
 
     Returns:

@@ -1,0 +1,211 @@
+"""The docs tell the truth: their examples run, their printed output is real, and their
+status claims still hold.
+
+Every ```python block of a page runs, in order, in one namespace. A ```text block right
+after the line ``<!-- stdout -->`` is the exact output of the python block before it.
+The blocks are compiled under the page's name with their real line numbers, so tracebacks
+and the ``source`` column of `remat.print_saved_residuals` point at the page.
+
+When a test in the second half fails because a feature landed or a bug was fixed, update
+docs/limitations.md (and the pages that link to it), then the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp
+
+import remat
+from remat import policies
+from remat import remat as rematerialize
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+STDOUT_MARK = "<!-- stdout -->\n"
+PAGES = sorted(p.name for p in DOCS.glob("*.md") if "```python" in p.read_text())
+STALE = "docs/limitations.md says otherwise: update the page, then this test."
+
+
+def _blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """(first line, python source, expected stdout or None) for each python block."""
+    out: list[tuple[int, str, str | None]] = []
+    for match in FENCE.finditer(text):
+        language, body = match.group(1), match.group(2)
+        if language == "python":
+            line = text.count("\n", 0, match.start(2)) + 1
+            out.append((line, body, None))
+        elif language == "text" and text[: match.start()].endswith(STDOUT_MARK) and out:
+            line, source, expected = out[-1]
+            assert expected is None, f"two stdout blocks after the python block at line {line}"
+            out[-1] = (line, source, body)
+    return out
+
+
+def test_pages_found() -> None:
+    """The docs have pages with Python examples to run."""
+    assert {"index.md", "guide.md", "policies.md", "rng.md", "torch-func.md"} <= set(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_examples_run(page: str) -> None:
+    """Every ```python block runs, in order, in one namespace; shown output is exact."""
+    namespace: dict[str, object] = {"__name__": f"docs_{page.removesuffix('.md')}"}
+    for line, source, expected in _blocks((DOCS / page).read_text()):
+        code = compile("\n" * (line - 1) + source, page, "exec")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(code, namespace)
+        if expected is not None:
+            assert printed.getvalue() == expected, f"{page}:{line}: the shown output is stale"
+
+
+# Documented limitations and known issues: each test fails once the page is wrong.
+
+
+def _f(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x).exp()
+
+
+_T = torch.ones(3)
+_REVERSE_OVER_FORWARD: dict[str, Callable[[torch.Tensor], object]] = {
+    "grad of jvp": lambda x: grad(lambda x: jvp(rematerialize(_f), (x,), (_T,))[1].sum())(x),
+    "vjp of jvp": lambda x: vjp(lambda x: jvp(rematerialize(_f), (x,), (_T,))[1], x)[1](_T),
+    "jacrev of jacfwd": lambda x: jacrev(jacfwd(rematerialize(_f)))(x),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_REVERSE_OVER_FORWARD))
+def test_reverse_over_forward_still_raises(case: str) -> None:
+    """Reverse over forward mode raises NotImplementedError, as "What raises" says."""
+    with pytest.raises(NotImplementedError, match="reverse mode over forward mode"):
+        _REVERSE_OVER_FORWARD[case](torch.randn(3))
+
+
+def test_module_passed_as_fn_is_pinned() -> None:
+    """`remat(module)` version-checks the module's parameters ("State read by closure")."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    x = torch.randn(4, 3, requires_grad=True)
+    y = rematerialize(module)(x).sum()
+    with torch.no_grad():
+        module[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="module tensor `weight` was modified in place"):
+        y.backward()
+
+
+def test_plain_closure_tensor_changed_in_place_is_not_detected() -> None:
+    """A plain closure tensor changed between forward and backward is read again, unchecked."""
+    scale = torch.full((3,), 2.0)
+    x = torch.randn(3, requires_grad=True)
+    y = rematerialize(lambda x: (x * scale).exp())(x).sum()
+    expected = (scale * (x * scale).exp()).detach()
+    scale.mul_(2)
+    y.backward()
+    assert not torch.allclose(x.grad, expected), STALE
+
+
+def _diverging() -> Callable[[torch.Tensor], torch.Tensor]:
+    calls: list[None] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2 if not calls else x[:1] * 2  # [4, 3] in the forward, [1, 3] after
+        calls.append(None)
+        return h.sin()
+
+    return fn
+
+
+def test_check_none_does_not_detect_a_divergent_recompute() -> None:
+    """A divergence that check="shapes" reports gives, with check="none", a wrong gradient."""
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(remat.RecomputeError):
+        rematerialize(_diverging())(x).sum().backward()
+    (unchecked,) = torch.autograd.grad(rematerialize(_diverging(), check="none")(x).sum(), x)
+    assert not torch.allclose(unchecked, (2 * (2 * x).cos()).detach()), STALE
+
+
+def test_nested_region_under_torch_func_keeps_inner_inputs() -> None:
+    """Under torch.func an inner region keeps its inputs by reference (eager: it does not)."""
+    inner = rematerialize(lambda h: h.tanh().sigmoid())
+    outer = rematerialize(lambda x: inner(x.exp()).log())
+    x = torch.randn(1000, dtype=torch.float64)
+    with remat.memory.track() as mem:
+        out, _ = vjp(outer, x)
+        held = mem.live - out.untyped_storage().nbytes()
+    assert held == x.nbytes, STALE
+    x.requires_grad_()
+    with remat.memory.track() as mem:
+        out = outer(x)
+        held = mem.live - out.untyped_storage().nbytes()
+    assert held == 0
+
+
+@pytest.mark.parametrize(("policy", "lent"), [("save_nothing", True), ("save_matmuls", False)])
+def test_recompute_without_a_dispatch_mode_lends_the_forward_rng_state(
+    policy: str, lent: bool
+) -> None:
+    """The default policy lends the forward's state during the recompute; per-op policies do not."""
+    seen: list[torch.Tensor] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_rng_state())
+        return torch.nn.functional.dropout(x, 0.5).exp()
+
+    x = torch.randn(8, requires_grad=True)
+    y = rematerialize(fn, policy=policy)(x).sum()
+    caller = torch.get_rng_state()
+    y.backward()
+    assert len(seen) == 2
+    assert not torch.equal(seen[0], caller)
+    assert torch.equal(seen[1], seen[0] if lent else caller), STALE
+    assert torch.equal(torch.get_rng_state(), caller)
+
+
+# Fixed issues that the page no longer lists: these fail if one comes back.
+
+_COMPOSITE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "matmul of a transpose": lambda q, k: torch.softmax(q @ k.transpose(1, 2), dim=-1),
+    "einsum": lambda q, k: torch.einsum("bik,bjk->bij", q, k).tanh(),
+    "scaled_dot_product_attention": lambda q, k: torch.nn.functional.scaled_dot_product_attention(
+        q, k, k
+    ).sin(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_COMPOSITE))
+def test_composite_ops_under_the_default_options(case: str) -> None:
+    """Ops that decompose differently under a dispatch mode: default options give plain's grads."""
+    fn = _COMPOSITE[case]
+    q, k = torch.randn(2, 8, 4, requires_grad=True), torch.randn(2, 8, 4, requires_grad=True)
+    got = torch.autograd.grad(rematerialize(fn)(q, k).sum(), (q, k))
+    expected = torch.autograd.grad(fn(q, k).sum(), (q, k))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def _sin_times_3(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * 3
+
+
+_X64, _T64 = torch.randn(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+_FORWARD_MODE: dict[str, Callable[[Callable[[torch.Tensor], torch.Tensor]], tuple[Any, ...]]] = {
+    "jvp": lambda f: jvp(f, (_X64,), (_T64,)),
+    "jacfwd": lambda f: (jacfwd(f)(_X64),),
+    "hessian": lambda f: (hessian(lambda x: f(x).sum())(_X64),),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(_FORWARD_MODE))
+def test_keep_every_op_policy_under_forward_mode(transform: str) -> None:
+    """A policy keeping every op (zero tangents included) works under forward mode."""
+    run = _FORWARD_MODE[transform]
+    got = run(rematerialize(_sin_times_3, policy=policies.save_all_but_names()))
+    expected = run(_sin_times_3)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
