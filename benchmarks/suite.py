@@ -352,23 +352,24 @@ def _plots(rows: Sequence[Row], out: Path) -> list[str]:
     reference = [r for r in rows if r.workload == "reference GPT" and r.time]
     if reference:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in reference:
-            ax.scatter(r.time * 1e3, r.held / 2**20)
-            ax.annotate(r.mode, (r.time * 1e3, r.held / 2**20), fontsize=7)
+        for r, marker in zip(reference, "osD^vPX*", strict=False):
+            ax.scatter(r.time * 1e3, r.held / 2**20, marker=marker, s=60, alpha=0.7, label=r.mode)
         ax.set(
             xlabel="step time (ms)",
             ylabel="held after forward (MiB)",
             title="Reference GPT: memory against time",
         )
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "memory_vs_time.png", dpi=120)
         files.append("memory_vs_time.png")
     sweep = [r for r in rows if r.workload.startswith("depth ")]
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for mode in dict.fromkeys(r.mode for r in sweep):
+        styles = zip("osD^vPX*", ["-", "--", "-.", ":"] * 2, strict=False)
+        for mode, (marker, line) in zip(dict.fromkeys(r.mode for r in sweep), styles, strict=False):
             points = [(int(r.workload.split()[1]), r.held / 2**20) for r in sweep if r.mode == mode]
-            ax.plot(*zip(*points, strict=True), marker="o", label=mode)
+            ax.plot(*zip(*points, strict=True), marker=marker, linestyle=line, label=mode)
         ax.set(xlabel="blocks", ylabel="held after forward (MiB)", title="Memory against depth")
         ax.legend(fontsize=7)
         fig.tight_layout()
