@@ -70,6 +70,11 @@ def as_decision(policy: Any, result: Any, op: Any) -> Decision:
     )
 
 
+def _matches(op: Any, ops: frozenset[Any]) -> bool:
+    """Whether ``op`` (an ``OpOverload``) is in ``ops``, as itself or as its packet."""
+    return op in ops or getattr(op, "overloadpacket", None) in ops
+
+
 class Policy:
     """Base of policy objects. Combine them with ``|`` (either keeps) and ``&`` (both keep).
 
@@ -112,9 +117,7 @@ class _Named(Policy):
         return self.decide(call.op, lambda: call)
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
-        if op in self.ops or getattr(op, "overloadpacket", None) in self.ops:
-            return Decision.SAVE
-        return self.keep
+        return Decision.SAVE if _matches(op, self.ops) else self.keep
 
     def __repr__(self) -> str:
         return self.name
@@ -180,9 +183,7 @@ class save_ops(Policy):  # noqa: N801 - a policy factory, named like its sibling
         return self.decide(call.op, lambda: call)
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
-        if op in self.ops or getattr(op, "overloadpacket", None) in self.ops:
-            return Decision.SAVE
-        return Decision.RECOMPUTE
+        return Decision.SAVE if _matches(op, self.ops) else Decision.RECOMPUTE
 
 
 def _check_names(factory: str, names: tuple[str, ...]) -> frozenset[str]:
