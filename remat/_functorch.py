@@ -4,9 +4,11 @@ Inside ``grad``/``vjp``/``jacrev`` a region re-enables saved-tensor hooks
 (functorch turns them off around the forward). Backward may run under other
 levels than the forward: ``vjp_fn`` called after ``vjp`` returned, ``jacrev``'s
 vmapped ``vjp_fn``, ``hessian``'s ``jacfwd`` around it, or eager backward after
-a ``vmap`` exited. The recompute then pops the levels pushed since the forward
-and re-creates the forward's exited ``grad`` and ``vmap`` levels, re-wrapping
-the region's inputs (and tensors it reads by closure) as the forward saw them.
+a ``vmap`` exited, reverse mode over ``jvp``/``jacfwd``. The recompute then pops
+the levels pushed since the forward and re-creates the forward's exited ``grad``,
+``vmap`` and ``jvp`` levels, one by one, re-wrapping the region's inputs (and
+tensors it reads by closure) as the forward saw them: at a ``jvp`` level, as
+duals with the tangents they had in the forward.
 Values saved at a re-created ``grad`` level keep its wrapper, which dies with the
 level; a dead wrapper acts as its contents, exactly as the forward's would.
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 
 from . import _torch_private as tp
@@ -29,15 +32,19 @@ __all__ = ["Levels", "Replant"]
 class Levels:
     """The functorch levels a region's forward ran under, and its inputs' wrappers."""
 
-    __slots__ = ("chains", "stack", "witnesses")
+    __slots__ = ("chains", "stack", "tangents", "witnesses")
 
     def __init__(
         self,
         stack: list[tuple[Any, ...]],
         witnesses: dict[int, torch.Tensor],
-        chains: list[list[tuple[int, int | None, bool]]],
+        inputs: list[torch.Tensor],
     ) -> None:
-        self.stack, self.witnesses, self.chains = stack, witnesses, chains
+        self.stack, self.witnesses = stack, witnesses
+        self.chains = [tp.wrapper_chain(t) for t in inputs]
+        # Under forward mode, each input's tangents, to make it a dual again at a twin level.
+        jvp = [desc[1] for desc in stack if desc[0] == "Jvp"]
+        self.tangents = [_tangents(t, jvp) for t in inputs]
 
     @classmethod
     def capture(cls, inputs: list[torch.Tensor]) -> Levels:
@@ -50,7 +57,7 @@ class Levels:
             for i in interpreters
             if i.key().name in ("Grad", "Jvp")
         }
-        return cls(stack, witnesses, [tp.wrapper_chain(t) for t in inputs])
+        return cls(stack, witnesses, inputs)
 
     def __bool__(self) -> bool:
         return bool(self.stack)
@@ -121,58 +128,87 @@ class Levels:
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(tp.levels_popped(len(now) - alive))
-            recreated: list[tuple[int, str, int]] = []
+            replant = Replant({desc[1] for desc in self.stack[alive:]})
+            rewraps = [
+                _Rewrap(t, chain, tangents, replant.dead)
+                for t, chain, tangents in zip(inputs, self.chains, self.tangents, strict=True)
+            ]
             for desc in self.stack[alive:]:
                 kind, level = desc[0], desc[1]
                 if kind == "Grad":
                     # Levels below record by the grad mode the level was entered with.
                     stack.enter_context(torch.set_grad_enabled(desc[2]))
-                    recreated.append((level, kind, stack.enter_context(tp.new_grad_level())))
+                    new = stack.enter_context(tp.new_grad_level())
                     stack.enter_context(torch.enable_grad())
                 elif kind == "Vmap":
                     new = stack.enter_context(tp.new_vmap_level(desc[3], desc[2]))
-                    recreated.append((level, kind, new))
+                elif kind == "Jvp":
+                    new = stack.enter_context(tp.new_jvp_level())
                 else:
                     raise NotImplementedError(
                         f"`remat`: this backward runs after a torch.func `{kind.lower()}` level "
-                        "of the region's forward exited (reverse mode over forward mode, such "
-                        "as `grad` of `jvp` or of `jacfwd`). remat cannot recompute there yet; "
-                        "use forward-over-reverse (`jvp` of `grad`, `jacfwd` of `jacrev`), or "
-                        "call the region outside the forward-mode transform."
+                        "of the region's forward exited, and remat cannot re-create it. Call "
+                        f"the region outside `{kind.lower()}`, or run the backward inside it."
                     )
-            dead = {desc[1] for desc in self.stack[alive:]}
-            replant = Replant(recreated, dead)
-            replant.inputs = [replant.wrap(t, c) for t, c in zip(inputs, self.chains, strict=True)]
-            if any(kind == "Grad" for _, kind, _ in recreated):
+                replant.recreated.append((level, kind, new))
+                for rewrap in rewraps:
+                    rewrap.at(level, kind, new)
+            replant.inputs = [rewrap.value for rewrap in rewraps]
+            if any(kind == "Grad" for _, kind, _ in replant.recreated):
                 stack.enter_context(_ClosureMode(replant))
             yield replant
+
+
+class _Rewrap:
+    """One input, moved level by level from the forward's exited levels to their twins."""
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        chain: list[tuple[int, int | None, bool]],
+        tangents: _Tangents,
+        dead: set[int],
+    ) -> None:
+        for level, _, _ in chain:
+            if level not in dead:
+                break
+            t = tp.unwrap(t)
+        self.value = t
+        self.outer = {level: (bdim, requires_grad) for level, bdim, requires_grad in chain}
+        self.tangents = {
+            level: None if tangent is None else _Rewrap(*tangent, dead)
+            for level, tangent in tangents.items()
+        }
+
+    def at(self, level: int, kind: str, new: int) -> None:
+        """Wrap the value as the forward's level ``level`` did, at its re-created twin ``new``."""
+        for tangent in self.tangents.values():
+            if tangent is not None:
+                tangent.at(level, kind, new)
+        if level not in self.outer:
+            return
+        bdim, requires_grad = self.outer[level]
+        if kind == "Grad":
+            self.value = tp.wrap_for_grad(self.value, new, requires_grad)
+        elif kind == "Vmap":
+            self.value = tp.add_batch_dim(self.value, bdim, new)  # type: ignore[arg-type]
+        else:
+            tangent = self.tangents.get(level)
+            self.value = (
+                tp.wrap_for_grad(self.value, new, False)
+                if tangent is None
+                else fwAD.make_dual(self.value, tangent.value)
+            )
 
 
 class Replant:
     """Moves tensors from a forward's exited levels to their re-created twins."""
 
-    def __init__(self, recreated: list[tuple[int, str, int]], dead: set[int]) -> None:
-        self.recreated = recreated
+    def __init__(self, dead: set[int]) -> None:
+        self.recreated: list[tuple[int, str, int]] = []
         self.dead = dead
         self.inputs: list[torch.Tensor] = []
         self._closures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def wrap(self, t: torch.Tensor, chain: list[tuple[int, int | None, bool]]) -> torch.Tensor:
-        """Re-wrap an input whose forward wrappers are given by ``chain``."""
-        outer = {level: (bdim, requires_grad) for level, bdim, requires_grad in chain}
-        for level, _, _ in chain:
-            if level not in self.dead:
-                break
-            t = tp.unwrap(t)
-        for level, kind, new in self.recreated:
-            if level not in outer:
-                continue
-            bdim, requires_grad = outer[level]
-            if kind == "Grad":
-                t = tp.wrap_for_grad(t, new, requires_grad)
-            else:
-                t = tp.add_batch_dim(t, bdim, new)  # type: ignore[arg-type]
-        return t
 
     def closure(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor read by closure, still wrapped at an exited grad level."""
@@ -209,6 +245,21 @@ def _describe(interpreter: Any) -> tuple[Any, ...]:
     if state[0] == "Vmap":
         return (*state, interpreter.batch_size())
     return state
+
+
+_Tangents = dict[int, "tuple[torch.Tensor, list[Any], _Tangents] | None"]
+
+
+def _tangents(t: torch.Tensor, jvp: list[int]) -> _Tangents:
+    """Tangents of ``t`` per forward-mode level, with their wrappers and own tangents."""
+    if not jvp:
+        return {}
+    return {
+        level: None
+        if tangent is None
+        else (tangent, tp.wrapper_chain(tangent), _tangents(tangent, [j for j in jvp if j < level]))
+        for level, tangent in tp.tangents(t, jvp).items()
+    }
 
 
 _NO_LEVELS = Levels([], {}, [])

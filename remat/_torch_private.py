@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
 
 _F: Any = torch._C._functorch
@@ -26,6 +27,8 @@ __all__ = [
     "levels_popped",
     "new_grad_level",
     "new_vmap_level",
+    "new_jvp_level",
+    "tangents",
     "dead_twin",
     "detach_outermost",
     "in_grad_transform_backward",
@@ -226,6 +229,40 @@ def new_vmap_level(batch_size: int, randomness: str) -> Iterator[int]:
         yield level
     finally:
         _F._vmap_decrement_nesting()
+
+
+@contextlib.contextmanager
+def new_jvp_level() -> Iterator[int]:
+    """A forward-mode level, entered as ``torch.func.jvp`` enters one."""
+    from torch._functorch import eager_transforms as et
+
+    with (
+        et.jvp_increment_nesting() as level,
+        fwAD._set_fwd_grad_enabled(True),
+        # jvp keeps its own count of nested levels; only the outermost opens a dual level.
+        fwAD.dual_level() if et.JVP_NESTING == 1 else contextlib.nullcontext(),
+    ):
+        yield level
+
+
+def tangents(t: torch.Tensor, levels: list[int]) -> dict[int, torch.Tensor | None]:
+    """The tangent of ``t`` at each forward-mode level it is wrapped at, unwrapped from it.
+
+    A tangent is only read with its level innermost, so the levels inside it are
+    popped for the read.
+    """
+    found: dict[int, torch.Tensor | None] = {}
+    active = [int(i.level()) for i in functorch_interpreters()]
+    while _F.is_functorch_wrapped_tensor(t):
+        level = int(_F.maybe_get_level(t))
+        if level in levels:
+            with levels_popped(sum(other > level for other in active)):
+                tangent = fwAD.unpack_dual(t).tangent
+            if tangent is not None and int(_F.maybe_get_level(tangent)) == level:
+                tangent = _F.get_unwrapped(tangent)
+            found[level] = tangent
+        t = _F.get_unwrapped(t)
+    return found
 
 
 def wrap_for_grad(t: torch.Tensor, level: int, requires_grad: bool) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp
+from torch.func import hessian, jacfwd, jvp, vjp
 
 import remat
 from remat import policies
@@ -68,25 +68,6 @@ def test_examples_run(page: str) -> None:
 
 
 # Documented limitations and known issues: each test fails once the page is wrong.
-
-
-def _f(x: torch.Tensor) -> torch.Tensor:
-    return torch.sin(x).exp()
-
-
-_T = torch.ones(3)
-_REVERSE_OVER_FORWARD: dict[str, Callable[[torch.Tensor], object]] = {
-    "grad of jvp": lambda x: grad(lambda x: jvp(rematerialize(_f), (x,), (_T,))[1].sum())(x),
-    "vjp of jvp": lambda x: vjp(lambda x: jvp(rematerialize(_f), (x,), (_T,))[1], x)[1](_T),
-    "jacrev of jacfwd": lambda x: jacrev(jacfwd(rematerialize(_f)))(x),
-}
-
-
-@pytest.mark.parametrize("case", sorted(_REVERSE_OVER_FORWARD))
-def test_reverse_over_forward_still_raises(case: str) -> None:
-    """Reverse over forward mode raises NotImplementedError, as "What raises" says."""
-    with pytest.raises(NotImplementedError, match="reverse mode over forward mode"):
-        _REVERSE_OVER_FORWARD[case](torch.randn(3))
 
 
 def test_module_passed_as_fn_is_pinned() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import optree
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import (
@@ -183,13 +184,6 @@ def _order(stack):
     return sum(t in reverse for t in stack) + (_t_hessian in stack)
 
 
-def _reverse_over_forward(stack):
-    """A reverse-mode transform applied over a forward-mode one (raises today)."""
-    forward = {_t_jvp, _t_jacfwd, _t_hessian}
-    reverse = {_t_grad, _t_grad_and_value, _t_vjp, _t_jacrev, _t_hessian}
-    return any(a in forward and b in reverse for i, a in enumerate(stack) for b in stack[i + 1 :])
-
-
 def _apply(stack, f):
     for t in stack:
         f = t(f)
@@ -203,25 +197,31 @@ def _assert_equal(a, b, tol=0.0):
 
 # Under two or more grad levels, the outer level differentiates through the recompute's
 # graph, which sums the same contributions in another order than the forward's graph:
-# results differ from plain in the last bits (seen: 3e-16 relative). First-order stacks
-# are compared bitwise.
-HIGHER_ORDER_TOL = 1e-12
+# results differ from plain in the last bits (seen: 3e-16 relative). From the third order
+# on, cancellation magnifies this: seen 1.9e-12 on vjp/hessian/vjp, where plain's own
+# result moves by 2.6e-12 when its hessian is taken as jacrev(jacrev) instead.
+# First-order stacks are compared bitwise.
+def _tolerance(orders):
+    return 0.0 if orders <= 1 else 1e-12 if orders == 2 else 1e-11
 
 
-@settings(max_examples=70, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     stack=st.lists(transforms, min_size=1, max_size=3),
     body=st.sampled_from(sorted(BODIES)),
     policy=st.sampled_from(POLICIES),
 )
 def test_transform_stacks_match_plain(stack, body, policy):
-    """Any stack of up to three transforms gives bitwise what it gives on the plain function."""
-    assume(not _reverse_over_forward(stack))
+    """Any stack of up to three transforms gives what it gives on the plain function."""
     x = torch.linspace(-1.0, 1.3, 12, dtype=torch.float64).reshape(2, 2, 3)
-    plain = _apply(stack, _program(BODIES[body]))(x)
+    try:
+        plain = _apply(stack, _program(BODIES[body]))(x)
+    except RuntimeError as error:  # torch's own limits (std's backward at third order)
+        with pytest.raises(RuntimeError, match=re.escape(str(error)[:60])):
+            _apply(stack, _program(rm(BODIES[body], policy=policy)))(x)
+        return
     remat_ = _apply(stack, _program(rm(BODIES[body], policy=policy)))(x)
-    orders = _order(stack) + (body == "inner_grad")
-    _assert_equal(plain, remat_, HIGHER_ORDER_TOL if orders > 1 else 0.0)
+    _assert_equal(plain, remat_, _tolerance(_order(stack) + (body == "inner_grad")))
 
 
 @pytest.mark.parametrize("randomness", ["different", "same"])
@@ -242,18 +242,25 @@ def test_random_bodies_under_stacks(stack, randomness):
         out = vmap(_apply(stack, f), randomness=randomness)(xs)
         return out, torch.get_rng_state()
 
-    tol = HIGHER_ORDER_TOL if _order(stack) > 1 else 0.0
-    _assert_equal(run(body), run(rm(body)), tol)
+    _assert_equal(run(body), run(rm(body)), _tolerance(_order(stack)))
 
 
 @pytest.mark.parametrize("outer", [_t_grad, _t_vjp, _t_jacrev])
 @pytest.mark.parametrize("inner", [_t_jvp, _t_jacfwd])
-def test_reverse_over_forward_raises_clearly(outer, inner):
-    """Reverse mode over an exited forward-mode level raises, never a wrong gradient."""
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reverse_over_forward_matches_plain_bitwise(outer, inner, policy):
+    """Reverse mode over an exited forward-mode level recomputes with the forward's tangents."""
     x = torch.linspace(-1.0, 1.3, 6, dtype=torch.float64).reshape(2, 3)
-    f = outer(inner(_program(rm(_mix))))
-    with pytest.raises(NotImplementedError, match="reverse mode over forward mode"):
-        f(x)
+    plain = outer(inner(_program(_mix)))(x)
+    _assert_equal(plain, outer(inner(_program(rm(_mix, policy=policy))))(x))
+
+
+def test_backward_after_functionalize_exited_raises_clearly():
+    """A functionalize level that exited before the backward cannot be re-created: it says so."""
+    region = rm(lambda x: x.sin().exp())
+    _, vjp_fn = torch.func.functionalize(lambda x: vjp(region, x))(torch.randn(3))
+    with pytest.raises(NotImplementedError, match="`functionalize` level"):
+        vjp_fn(torch.ones(3))
 
 
 def test_region_is_recomputed_under_grad():
@@ -417,6 +424,27 @@ def test_vjp_holds_little_between_forward_and_backward():
     remat_held, remat_grads = held(rm(_layer))
     _assert_equal(plain_grads, remat_grads)
     assert remat_held <= 0.2 * plain_held, (remat_held, plain_held)
+
+
+def test_vjp_of_jvp_holds_little_between_forward_and_backward():
+    """Reverse over forward mode: remat holds <= 0.1x plain (inputs and their tangents)."""
+    weights = _stack_mlp()
+    x, tangent = torch.randn(2, 128, 64, dtype=torch.float64)
+
+    def held(layer):
+        def directional(x, ws):
+            return jvp(lambda x: _net(x, ws, layer), (x,), (tangent,))[1]
+
+        with remat.memory.track() as mem:
+            out, vjp_fn = vjp(directional, x, weights)
+            live = mem.live - out.untyped_storage().nbytes()
+            grads = vjp_fn(torch.ones_like(out))
+        return live, grads
+
+    plain_held, plain_grads = held(_layer)
+    remat_held, remat_grads = held(rm(_layer))
+    _assert_equal(plain_grads, remat_grads)
+    assert remat_held <= 0.1 * plain_held, (remat_held, plain_held)
 
 
 def test_per_sample_gradients_peak_is_at_most_half_of_plain():

@@ -251,6 +251,41 @@ def test_new_vmap_level_and_add_batch_dim():
     assert tp.functorch_interpreters() == []
 
 
+def test_new_jvp_level_carries_tangents_of_duals_made_at_it():
+    """A new jvp level, like jvp's own: make_dual works at it, tangents propagate, it exits."""
+    a, tangent = torch.linspace(0, 1, 3), torch.full((3,), 2.0)
+    with tp.new_jvp_level() as level:
+        assert [i.get_state() for i in tp.functorch_interpreters()] == [("Jvp", level, True)]
+        dual = torch.autograd.forward_ad.make_dual(a, tangent)
+        assert tp.wrapper_level(dual) == level
+        out = torch.autograd.forward_ad.unpack_dual(dual * dual).tangent
+        assert torch.equal(tp.unwrap(out), 2 * a * tangent)
+        with tp.new_jvp_level():  # nested, as jvp nests: no second dual level is opened
+            pass
+    assert tp.functorch_interpreters() == []
+    assert torch.autograd.forward_ad._current_level == -1
+
+
+def test_tangents_at_each_forward_mode_level_under_inner_levels():
+    """Tangents per jvp level, unwrapped from it, also under grad levels inside it."""
+    x, t = torch.linspace(0, 1, 3), torch.full((3,), 3.0)
+    seen = {}
+
+    def inner(x):
+        levels = [i.level() for i in tp.functorch_interpreters() if i.key().name == "Jvp"]
+        seen.update(tp.tangents(x, levels))
+        return x.sin().sum()
+
+    jvp(grad(inner), (x,), (t,))
+    ((level, tangent),) = seen.items()
+    assert level == 1  # jvp's, the outermost; grad's is 2
+    assert torch.equal(tangent, t)
+
+    seen.clear()
+    grad(inner)(x)  # no forward-mode level: nothing
+    assert seen == {}
+
+
 def test_top_grad_level():
     """The innermost level if it is grad, else None."""
     seen = []
