@@ -227,7 +227,14 @@ def test_transform_stacks_match_plain(stack, body, policy):
 @pytest.mark.parametrize("randomness", ["different", "same"])
 @pytest.mark.parametrize(
     "stack",
-    [[_t_grad], [_t_vjp], [_t_vjp, _t_grad], [_t_functional_call, _t_grad]],
+    [
+        [_t_grad],
+        [_t_vjp],
+        [_t_vjp, _t_grad],
+        [_t_functional_call, _t_grad],
+        [_t_jvp, _t_grad],
+        [_t_jvp, _t_jacrev],
+    ],
     ids=lambda s: "/".join(t.__name__ for t in s),
 )
 def test_random_bodies_under_stacks(stack, randomness):
