@@ -188,7 +188,8 @@ class Region:
         snapshot = self.rng is not None and not watched  # no mode: read generators around fn
         if snapshot:
             self.rng.start(self.generators)  # type: ignore[union-attr]
-        with running, enabled, hooks, mode:
+        closures = self.levels.watch_closures(self.tensors)
+        with running, enabled, hooks, mode, closures:
             out = self.fn(*self.call[0], **self.call[1])
             if snapshot:
                 self.rng.finish()  # type: ignore[union-attr]

@@ -16,6 +16,7 @@ level; a dead wrapper acts as its contents, exactly as the forward's would.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,11 +29,15 @@ from . import _torch_private as tp
 
 __all__ = ["Levels", "Replant"]
 
+# Per forward-mode level: a tensor's tangent there, with its wrappers and own tangents.
+_Tangents = dict[int, "tuple[torch.Tensor, list[Any], _Tangents] | None"]
+_Wrapping = tuple[list[tuple[int, "int | None", bool]], _Tangents]
+
 
 class Levels:
     """The functorch levels a region's forward ran under, and its inputs' wrappers."""
 
-    __slots__ = ("chains", "stack", "tangents", "witnesses")
+    __slots__ = ("closures", "inputs", "jvp", "stack", "witnesses")
 
     def __init__(
         self,
@@ -41,10 +46,31 @@ class Levels:
         inputs: list[torch.Tensor],
     ) -> None:
         self.stack, self.witnesses = stack, witnesses
-        self.chains = [tp.wrapper_chain(t) for t in inputs]
-        # Under forward mode, each input's tangents, to make it a dual again at a twin level.
-        jvp = [desc[1] for desc in stack if desc[0] == "Jvp"]
-        self.tangents = [_tangents(t, jvp) for t in inputs]
+        self.jvp = [desc[1] for desc in stack if desc[0] == "Jvp"]
+        self.inputs = [self._wrapping(t) for t in inputs]
+        # Duals read by closure (under forward mode), by id: they die with their tangents.
+        self.closures: dict[int, tuple[torch.Tensor, _Wrapping]] = {}
+
+    def _wrapping(self, t: torch.Tensor) -> _Wrapping:
+        """How the forward's levels wrapped ``t``: its chain, and its tangents (forward mode)."""
+        return tp.wrapper_chain(t), _tangents(t, self.jvp)
+
+    def watch_closures(self, inputs: list[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+        """For the forward: under forward mode, a mode that records duals read by closure."""
+        return _ClosureWatch(self, inputs) if self.jvp else contextlib.nullcontext()
+
+    def add_closure(self, t: torch.Tensor) -> None:
+        """Record ``t``, read by closure, if it is a dual at one of the forward's levels."""
+        known = self.closures.get(id(t))
+        if known is not None and known[0] is t:
+            return
+        # Wrapped at a level made inside ``fn`` (a transform it calls): not a closure.
+        level = tp.wrapper_level(t)
+        if all(desc[1] != level for desc in self.stack):
+            return
+        chain, tangents = self._wrapping(t)
+        if any(tangent is not None for tangent in tangents.values()):
+            self.closures[id(t)] = (t, (chain, tangents))
 
     @classmethod
     def capture(cls, inputs: list[torch.Tensor]) -> Levels:
@@ -64,7 +90,7 @@ class Levels:
 
     def forward_mode(self) -> bool:
         """Whether the forward ran under a ``jvp`` level (tangents ride on values)."""
-        return any(desc[0] == "Jvp" for desc in self.stack)
+        return bool(self.jvp)
 
     @staticmethod
     def _own_pass_level(t: torch.Tensor) -> int | None:
@@ -130,9 +156,13 @@ class Levels:
             stack.enter_context(tp.levels_popped(len(now) - alive))
             replant = Replant({desc[1] for desc in self.stack[alive:]})
             rewraps = [
-                _Rewrap(t, chain, tangents, replant.dead)
-                for t, chain, tangents in zip(inputs, self.chains, self.tangents, strict=True)
+                _Rewrap(t, *wrapping, replant.dead)
+                for t, wrapping in zip(inputs, self.inputs, strict=True)
             ]
+            closures = {
+                key: (t, _Rewrap(t, *wrapping, replant.dead))
+                for key, (t, wrapping) in self.closures.items()
+            }
             for desc in self.stack[alive:]:
                 kind, level = desc[0], desc[1]
                 if kind == "Grad":
@@ -151,10 +181,11 @@ class Levels:
                         f"the region outside `{kind.lower()}`, or run the backward inside it."
                     )
                 replant.recreated.append((level, kind, new))
-                for rewrap in rewraps:
+                for rewrap in [*rewraps, *(r for _, r in closures.values())]:
                     rewrap.at(level, kind, new)
             replant.inputs = [rewrap.value for rewrap in rewraps]
-            if any(kind == "Grad" for _, kind, _ in replant.recreated):
+            replant.known.update({key: (t, r.value) for key, (t, r) in closures.items()})
+            if replant.known or any(kind == "Grad" for _, kind, _ in replant.recreated):
                 stack.enter_context(_ClosureMode(replant))
             yield replant
 
@@ -208,19 +239,20 @@ class Replant:
         self.recreated: list[tuple[int, str, int]] = []
         self.dead = dead
         self.inputs: list[torch.Tensor] = []
-        self._closures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Tensors read by closure, by id: (the forward's, its twin at the re-created levels).
+        self.known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def closure(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor read by closure, still wrapped at an exited grad level."""
-        hit = self._closures.get(id(t))
-        if hit is None:
+        hit = self.known.get(id(t))
+        if hit is None or hit[0] is not t:
             requires_grad, inner = t.requires_grad, t
             while tp.is_dead_wrapper(inner):
                 inner = tp.unwrap(inner)
             for _, kind, new in self.recreated:
                 if kind == "Grad":
                     inner = tp.wrap_for_grad(inner, new, requires_grad)
-            hit = self._closures[id(t)] = (t, inner)
+            hit = self.known[id(t)] = (t, inner)
         return hit[1]
 
 
@@ -235,9 +267,41 @@ class _ClosureMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _map(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and tp.is_dead_wrapper(x):
-            return self.replant.closure(x)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        hit = self.replant.known.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        return self.replant.closure(x) if tp.is_dead_wrapper(x) else x
+
+
+class _ClosureWatch(TorchFunctionMode):
+    """Records, in a forward under forward mode, the duals ``fn`` reads by closure.
+
+    A recompute at a re-created ``jvp`` level needs their tangents, which die with
+    the level. Inputs, and tensors made since the forward began, are not closures.
+    """
+
+    def __init__(self, levels: Levels, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.levels = levels
+        self.made = {id(t): weakref.ref(t) for t in inputs}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        call: Any = (args, kwargs or {})
+        for leaf in optree.tree_leaves(call):
+            if isinstance(leaf, torch.Tensor) and not self._made(leaf):
+                self.levels.add_closure(leaf)
+        out = func(*call[0], **call[1])
+        made: list[Any] = optree.tree_leaves(out)
+        for leaf in made:
+            if isinstance(leaf, torch.Tensor):
+                self.made[id(leaf)] = weakref.ref(leaf)
+        return out
+
+    def _made(self, t: torch.Tensor) -> bool:
+        ref = self.made.get(id(t))
+        return ref is not None and ref() is t
 
 
 def _describe(interpreter: Any) -> tuple[Any, ...]:
@@ -245,9 +309,6 @@ def _describe(interpreter: Any) -> tuple[Any, ...]:
     if state[0] == "Vmap":
         return (*state, interpreter.batch_size())
     return state
-
-
-_Tangents = dict[int, "tuple[torch.Tensor, list[Any], _Tangents] | None"]
 
 
 def _tangents(t: torch.Tensor, jvp: list[int]) -> _Tangents:
