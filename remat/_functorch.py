@@ -57,7 +57,7 @@ class Levels:
 
     def watch_closures(self, inputs: list[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
         """For the forward: under forward mode, a mode that records duals read by closure."""
-        return _ClosureWatch(self, inputs) if self.jvp else contextlib.nullcontext()
+        return _ClosureWatch(self, inputs) if self.jvp else _NOTHING
 
     def add_closure(self, t: torch.Tensor) -> None:
         """Record ``t``, read by closure, if it is a dual at one of the forward's levels."""
@@ -191,7 +191,7 @@ class Levels:
 
 
 class _Rewrap:
-    """One input, moved level by level from the forward's exited levels to their twins."""
+    """An input, closure or tangent, moved level by level from exited levels to their twins."""
 
     def __init__(
         self,
@@ -323,4 +323,5 @@ def _tangents(t: torch.Tensor, jvp: list[int]) -> _Tangents:
     }
 
 
+_NOTHING = contextlib.nullcontext()
 _NO_LEVELS = Levels([], {}, [])
