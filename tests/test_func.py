@@ -342,13 +342,18 @@ class _RematMLP(_MLP):
         return block(x)
 
 
+def _twin_mlps(width=8, depth=3):
+    """A plain MLP and a remat'd one with the same parameters, and those parameters."""
+    torch.manual_seed(0)
+    plain = _MLP(width, depth).double()
+    remat_ = _RematMLP(width, depth).double()
+    remat_.load_state_dict(plain.state_dict())
+    return plain, remat_, {k: v.detach() for k, v in plain.named_parameters()}
+
+
 def test_per_sample_gradients_of_a_module():
     """vmap(grad(functional_call)) per-sample gradients of remat'd blocks equal plain."""
-    torch.manual_seed(0)
-    plain = _MLP().double()
-    remat_ = _RematMLP().double()
-    remat_.load_state_dict(plain.state_dict())
-    params = {k: v.detach() for k, v in plain.named_parameters()}
+    plain, remat_, params = _twin_mlps()
     xs = torch.randn(6, 8, dtype=torch.float64)
 
     def per_sample(model):
@@ -362,11 +367,8 @@ def test_per_sample_gradients_of_a_module():
 
 def test_jacrev_over_module_parameters():
     """jacrev with respect to parameters substituted by functional_call equals plain."""
-    torch.manual_seed(0)
-    plain = _MLP(width=4, depth=2).double()
-    remat_ = _RematMLP(width=4, depth=2).double()
-    remat_.load_state_dict(plain.state_dict())
-    params = {k: v.detach() * 1.5 for k, v in plain.named_parameters()}
+    plain, remat_, params = _twin_mlps(width=4, depth=2)
+    params = {k: v * 1.5 for k, v in params.items()}
     x = torch.randn(3, 4, dtype=torch.float64)
 
     def jac(model):
@@ -377,11 +379,7 @@ def test_jacrev_over_module_parameters():
 
 def test_hessian_vector_product_through_functional_call():
     """grad of jvp over module parameters (pinned duals) matches plain autograd bitwise."""
-    torch.manual_seed(0)
-    plain = _MLP(width=4, depth=2).double()
-    remat_ = _RematMLP(width=4, depth=2).double()
-    remat_.load_state_dict(plain.state_dict())
-    params = {k: v.detach() for k, v in plain.named_parameters()}
+    plain, remat_, params = _twin_mlps(width=4, depth=2)
     direction = {k: torch.randn_like(v) for k, v in params.items()}
     x = torch.randn(3, 4, dtype=torch.float64)
 
@@ -396,11 +394,7 @@ def test_hessian_vector_product_through_functional_call():
 
 def test_hessian_with_policies_under_functional_call():
     """hessian through functional_call of remat'd blocks equals plain (dead levels, 2nd order)."""
-    torch.manual_seed(0)
-    plain = _MLP(width=3, depth=2).double()
-    remat_ = _RematMLP(width=3, depth=2).double()
-    remat_.load_state_dict(plain.state_dict())
-    params = {k: v.detach() for k, v in plain.named_parameters()}
+    plain, remat_, params = _twin_mlps(width=3, depth=2)
     x = torch.randn(2, 3, dtype=torch.float64)
 
     def hess(model):
