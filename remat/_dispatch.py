@@ -1,10 +1,11 @@
 """The op-level view of a region: one dispatch mode for its forward or its recompute.
 
 It sees every aten op the region runs and does, per op, what is switched on:
-RNG capture (forward) or replay (recompute), the policy's decisions (forward)
-or the replay of kept values (recompute), and the `remat.debug` trace. Ops that
-remat itself issues from its hooks are marked `quiet` and pass straight through,
-so they never shift the op indices that forward and recompute share.
+RNG capture (forward) or replay (recompute), the policy's bookkeeping (forward)
+or the verified replay of kept values (recompute), and the `remat.debug` trace.
+Ops that remat itself issues from its hooks are marked `quiet` and pass straight
+through, and so do the ops of a region's own recompute started inside its forward
+(an ``autograd.grad`` in ``fn``): the forward records only ``fn``'s ops.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _local = threading.local()
 
 
 class quiet:  # noqa: N801 - a context manager, like torch.no_grad
-    """Ops run inside are remat's own: no region counts, replays or traces them."""
+    """Ops run inside are remat's own: no region records, replays or traces them."""
 
     __slots__ = ()
 
@@ -56,31 +57,28 @@ class OpMode(TorchDispatchMode):
         super().__init__()
         self.capture, self.replay, self.trace = capture, replay, trace
         self.keeper, self.replayer = keeper, replayer
+        self.paused = 0  # > 0 while the region's own recompute runs inside this forward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if getattr(_local, "quiet", 0):
+        if self.paused or getattr(_local, "quiet", 0):
             return func(*args, **kwargs)
         if self.replayer is not None:
-            hit, out = self.replayer.next()
-            if hit:
-                self._record(func, out)
-                return out
-        if not is_random(func):
-            out = func(*args, **kwargs)
+            out = self.replayer.call(func, args, kwargs, lambda: self._run(func, args, kwargs))
         else:
-            if self.capture is not None:
-                self.capture.before(args, kwargs)
-            if self.replay is not None:
-                out = self.replay.call(func, args, kwargs)
-            else:
-                out = func(*args, **kwargs)
-        if self.keeper is not None:
-            self.keeper.after(func, args, kwargs, out)
-        self._record(func, out)
-        return out
-
-    def _record(self, func: Any, out: Any) -> None:
+            out = self._run(func, args, kwargs)
+            if self.keeper is not None:
+                self.keeper.after(func, args, kwargs, out)
         if self.trace is not None:
             first = out[0] if isinstance(out, (tuple, list)) and out else out
             self.trace.append(TraceEntry(str(func.overloadpacket), describe(first), source_line()))
+        return out
+
+    def _run(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if not is_random(func):
+            return func(*args, **kwargs)
+        if self.capture is not None:
+            self.capture.before(args, kwargs)
+        if self.replay is not None:
+            return self.replay.call(func, args, kwargs)
+        return func(*args, **kwargs)

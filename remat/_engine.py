@@ -5,15 +5,15 @@ region's inputs are kept by reference (an inner region hands them to the region
 around it instead); everything else is packed as a `_Handle`, so autograd keeps
 the graph's nodes but none of those activations. The first unpack of a handle in
 a backward pass re-runs ``fn`` once for that pass and collects the values of the
-handles still alive, stopping right after the last of them. Outputs the policy
-keeps are replayed in that re-run instead of computed (see ``_keep``).
+handles still alive, stopping right after the last of them. Under a per-op
+policy every op of that re-run is first matched to the forward's, and only a
+matched op is replayed from a kept value or skipped (see ``_keep``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -31,7 +31,7 @@ from ._errors import (
     diff_traces,
     node_op,
 )
-from ._keep import Keeper, Replayer
+from ._keep import Keeper, Replayer, Restart
 from ._modules import ModuleState
 from ._policies import Policy
 from ._rng import RngCapture, RngLend
@@ -101,6 +101,12 @@ class _Stop(BaseException):
     """Raised by the recompute's pack hook once every needed value exists."""
 
 
+# One reshape decomposes to any of these, depending on dispatch modes and subclasses.
+_RESHAPES = frozenset(
+    ["aten.view", "aten._reshape_alias", "aten.reshape_alias", "aten.alias", "aten._unsafe_view"]
+)
+
+
 class _Meta(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
@@ -112,6 +118,16 @@ class _Meta(NamedTuple):
         node = t.grad_fn
         producer = f"output of {node_op(node)}" if node else "a tensor with no autograd history"
         return cls(t.shape, t.dtype, t.device, producer)
+
+    def same(self, other: _Meta, producers: bool) -> bool:
+        """Equal metadata, and (if asked) the same producer up to how a reshape decomposed."""
+        if self[:3] != other[:3]:
+            return False
+        mine, theirs = (
+            self.producer.removeprefix("output of "),
+            other.producer.removeprefix("output of "),
+        )
+        return not producers or mine == theirs or {mine, theirs} <= _RESHAPES
 
     def __str__(self) -> str:
         return f"{self.producer}, {describe_meta(self.shape, self.dtype, self.device)}"
@@ -153,9 +169,11 @@ class Region:
         policy: Policy,
         preserve_rng: bool,
         check: bool,
+        namespace: str = "",
     ) -> None:
         self.fn = fn
         self.call: Any = call
+        self.namespace = namespace
         self.tensors = inputs
         self.inputs = {id(t): t for t in inputs}
         self.versions = [t._version for t in inputs]
@@ -171,9 +189,14 @@ class Region:
         self.rng = RngCapture() if preserve_rng else None
         self.generators = generators
         collecting = _introspect.current() is not None
-        self.keeper = Keeper(policy, collecting) if policy.per_op else None
+        self.keeper = Keeper(policy, inputs, collecting) if policy.per_op else None
         self.trace: list[TraceEntry] | None = [] if debugging() else None
         self.levels = _functorch.Levels.capture(inputs)
+        self.mode: OpMode | None = None  # the forward's, while it runs
+
+    def moded(self) -> bool:
+        """Whether the forward and every recompute run under remat's dispatch mode."""
+        return self.keeper is not None or self.trace is not None
 
     # The forward.
 
@@ -181,18 +204,20 @@ class Region:
         running = _torch_private.region_running((self, self._pack, self._fetch, bool(self.levels)))
         enabled = _torch_private.saved_tensors_hooks_enabled() if self.levels else _NOTHING
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        watched = self.keeper is not None or self.trace is not None
-        mode = (
-            OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace) if watched else _NOTHING
-        )
-        snapshot = self.rng is not None and not watched  # no mode: read generators around fn
+        if self.moded():
+            self.mode = OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace)
+        snapshot = self.rng is not None and not self.moded()  # no mode: read generators around
         if snapshot:
             self.rng.start(self.generators)  # type: ignore[union-attr]
         closures = self.levels.watch_closures(self.tensors)
-        with running, enabled, hooks, mode, closures:
+        with running, enabled, hooks, self.mode or _NOTHING, closures:
             out = self.fn(*self.call[0], **self.call[1])
             if snapshot:
                 self.rng.finish()  # type: ignore[union-attr]
+            self.mode = None
+            self._check_inputs(inside=True)
+            if self.modules is not None:
+                self.modules.settle()
             outer = self._enclosing()
             if outer is not None:
                 self._hand_over_inputs(outer)
@@ -205,14 +230,15 @@ class Region:
             self._report(found)
         return out
 
+    def _tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return optree.tree_map(fn, tree, none_is_leaf=True, namespace=self.namespace)
+
     def _hand_over_inputs(self, outer: tuple[Any, ...]) -> None:
         """Inside another region, hold no input: the outer region saves them for us."""
         _, pack, unpack, _ = outer
         slots = {id(t): _Outer(pack, unpack, t) for t in self.tensors}
-        self.call = optree.tree_map(
-            lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x,
-            self.call,
-            none_is_leaf=True,
+        self.call = self._tree_map(
+            lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
         )
         self.tensors, self.inputs, self.versions = [], {}, []
 
@@ -229,16 +255,18 @@ class Region:
                 fetched[id(x)] = x.get()
             return fetched[id(x)]
 
-        call = optree.tree_map(fetch, self.call, none_is_leaf=True)
-        leaves: list[Any] = optree.tree_leaves(call, none_is_leaf=True)
+        call = self._tree_map(fetch, self.call)
+        leaves: list[Any] = optree.tree_leaves(call, none_is_leaf=True, namespace=self.namespace)
         return call, [t for t in leaves if isinstance(t, torch.Tensor)]
 
     def inputs_handed_over(self) -> bool:
-        leaves: list[Any] = optree.tree_leaves(self.call, none_is_leaf=True)
+        leaves: list[Any] = optree.tree_leaves(
+            self.call, none_is_leaf=True, namespace=self.namespace
+        )
         return any(isinstance(x, _Outer) for x in leaves)
 
     def paths(self) -> list[str]:
-        return _introspect.input_paths(self.fn, self.call, (torch.Tensor, _Outer))
+        return _introspect.input_paths(self.fn, self.call, (torch.Tensor, _Outer), self.namespace)
 
     def _report(self, found: _introspect.Collector) -> None:
         """Tell `saved_residuals` what this region holds after its forward."""
@@ -266,10 +294,10 @@ class Region:
                 return _Outer(outer[1], outer[2], t)
             self.saved_inputs.add(id(t))
             return _Kept(t, t._version)
-        if self.keeper is not None:
-            self.keeper.note_saved(t)
-        self.kinds.append(1)
         handle = _Handle(len(self.handles))
+        if self.keeper is not None:
+            self.keeper.note_saved(t, handle.index)
+        self.kinds.append(1)
         self.handles.append(weakref.ref(handle))
         if self.check:
             self.meta.append(_Meta.of(t))
@@ -296,10 +324,12 @@ class Region:
     def _unpack(self, packed: Any) -> torch.Tensor:
         """Autograd's unpack hook: `_fetch`, then what functorch's own pass should see."""
         value = self._fetch(packed)
-        if not self.levels or isinstance(packed, _Outer):
-            return value
-        with quiet():
-            return self.levels.for_backward(value)
+        if self.levels and not isinstance(packed, _Outer):
+            with quiet():
+                value = self.levels.for_backward(value)
+        if self.mode is not None and isinstance(packed, _Handle):  # inside our own forward
+            self.keeper.handed_back(packed.index, value)  # type: ignore[union-attr]
+        return value
 
     def _fetch(self, packed: Any) -> torch.Tensor:
         """The value behind what `_pack` returned (recomputing the region if needed)."""
@@ -338,15 +368,24 @@ class Region:
             value = self._recompute(only=packed.index)[packed.index]
         return value
 
-    def _check_inputs(self) -> None:
+    def _check_inputs(self, inside: bool = False) -> None:
         for i, (t, version) in enumerate(zip(self.tensors, self.versions, strict=True)):
-            if t._version != version:
-                raise RuntimeError(
-                    f"`remat`: argument {self.paths()[i]} was modified in place between the "
-                    f"forward and the backward (version {version} -> {t._version}); its "
-                    "gradients would be wrong. Clone it before modifying it, or modify it "
-                    "after the backward."
+            if t._version == version:
+                continue
+            if inside:
+                by = f" by {node_op(t.grad_fn)}" if t.grad_fn is not None else ""
+                raise RecomputeError(
+                    f"`remat`: argument {self.paths()[i]} was modified in place inside `fn`"
+                    f"{by} (version {version} -> {t._version}); the recompute would read the "
+                    "modified value and modify it again. Clone it inside `fn` before modifying "
+                    "it (`x = x.clone()`), or modify it outside the remat'd function."
                 )
+            raise RuntimeError(
+                f"`remat`: argument {self.paths()[i]} was modified in place between the "
+                f"forward and the backward (version {version} -> {t._version}); its "
+                "gradients would be wrong. Clone it before modifying it, or modify it "
+                "after the backward."
+            )
 
     def _recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
         if only is None:
@@ -356,44 +395,45 @@ class Region:
         if not needed:
             return {}
         self._check_inputs()
-        last = max(needed)
-        values: dict[int, torch.Tensor] = {}
-        packs = iter(self.kinds)
-        counter = itertools.count()
+        forward = self.mode  # set while the forward runs: an ``autograd.grad`` inside ``fn``
+        if forward is not None:
+            forward.paused += 1
+        try:
+            try:
+                values = self._rerun(needed)
+            except Restart:
+                # A value the recompute skipped was read (outside aten, or by an op that did
+                # not match the forward's): run again, skipping nothing.
+                assert self.keeper is not None
+                self.keeper.stop_skipping()
+                values = self._rerun(needed)
+        finally:
+            if forward is not None:
+                forward.paused -= 1
+        if only is None and self.keeper is not None:
+            self.keeper.release()
+        return values
+
+    def _rerun(self, needed: set[int]) -> dict[int, torch.Tensor]:
+        """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
-        # The recompute runs under the forward's dispatch setup: a mode only if it had one.
-        moded = self.keeper is not None or self.trace is not None
-        replay = self.rng.replay() if self.rng is not None and moded else None
-        lend = RngLend(self.rng.states) if self.rng is not None and not moded else None
-        replayer = Replayer(self.keeper) if self.keeper is not None else None
+        rng = self.rng
+        replay = rng.replay() if rng is not None and self.moded() else None
+        lend = RngLend(rng.lendable()) if rng is not None and not self.moded() else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             call, tensors = self._inputs()
             replant = stack.enter_context(self.levels.restore(tensors))
-            if self.modules is not None:
-                stack.enter_context(self.modules.pinned())
-            # Under re-created levels, a value wrapped at one dies with it and then acts
-            # as its contents, as the forward's own (dead) wrapper does.
-            keep = _torch_private.detach_outermost if self.levels else torch.Tensor.detach
+            copies = stack.enter_context(self.modules.pinned()) if self.modules else []
             if replant is not None:
                 swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
-                call = optree.tree_map(lambda x: swap.get(id(x), x), call, none_is_leaf=True)
-
-            def pack(t: torch.Tensor) -> Any:
-                # The forward decided, pack by pack, what to rebuild: follow it in order.
-                with quiet():
-                    if not next(packs, 1):
-                        return t
-                    i = next(counter)
-                    if self.check:
-                        self._compare(i, t, trace, producers=replant is None)
-                    value = keep(t)
-                    if i in needed:
-                        values[i] = value
-                if i == last:
-                    raise _Stop
-                return value
-
+                call = self._tree_map(lambda x: swap.get(id(x), x), call)
+                tensors = replant.inputs
+            replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
+            for copy, original, version in copies:
+                if replayer is not None:
+                    replayer.stand_in(copy, original, version)
+            pack = _RecomputePack(self, needed, trace, replayer, producers=replant is None)
             stack.enter_context(_torch_private.region_running((None, pack, _identity, False)))
             stack.enter_context(_autocast(self.autocast))
             if self.levels:
@@ -403,26 +443,33 @@ class Region:
                 stack.enter_context(lend)
             if replay is not None:
                 stack.enter_context(replay)
-            if moded:
+            if self.moded():
                 stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
             try:
                 self.fn(*call[0], **call[1])
             except _Stop:
-                if self.keeper is not None:
-                    self.keeper.release()
-                return values
-        saved = next(counter)
+                pass
+            except Exception as error:
+                if replayer is not None and replayer.placeholders:  # ``.numpy()`` on one, say
+                    raise Restart from error
+                raise
+            if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
+                raise Restart
+            if pack.stopped:
+                return pack.values
+        missing = min(needed - pack.values.keys())
         raise RecomputeError(
-            f"`remat`: the recompute saved {saved} values for backward but the forward saved "
-            f"{len(self.handles)}; value #{saved}"
-            + (f" ({self.meta[saved]})" if self.check else "")
+            f"`remat`: the recompute rebuilt {len(pack.values)} of the {len(needed)} values "
+            f"backward needs; value #{missing}"
+            + (f" ({self.meta[missing]})" if self.check else "")
             + " was never rebuilt. `fn` must run the same ops each time it is called."
             + self._diff(trace)
         )
 
-    def _compare(
+    def compare(
         self, i: int, t: torch.Tensor, trace: list[TraceEntry] | None, producers: bool
     ) -> None:
+        """Raise if the recompute's value #i does not look like the forward's."""
         # Inputs re-wrapped at re-created levels have no history there: skip producers.
         meta = _Meta.of(t)
         if i >= len(self.meta):
@@ -431,7 +478,7 @@ class Region:
                 f"the extra one is {meta}. `fn` must run the same ops each time it is called."
                 + self._diff(trace)
             )
-        if meta[: 3 + producers] != self.meta[i][: 3 + producers]:
+        if not meta.same(self.meta[i], producers):
             raise RecomputeError(
                 f"`remat`: the recompute diverged from the forward at saved value #{i}. "
                 f"Forward: {self.meta[i]}. Recompute: {meta}. `fn` must run the same ops on "
@@ -444,6 +491,61 @@ class Region:
         if self.trace is None or trace is None:
             return ""
         return "\nOp sequences (forward | recompute):\n" + diff_traces(self.trace, trace)
+
+
+class _RecomputePack:
+    """The recompute's pack hook: collects the needed values, stops after the last one.
+
+    Without a dispatch mode the forward's packs are followed in order; with one,
+    each saved value is matched to the forward's by where it came from.
+    """
+
+    def __init__(
+        self,
+        region: Region,
+        needed: set[int],
+        trace: list[TraceEntry] | None,
+        replayer: Replayer | None,
+        producers: bool,
+    ) -> None:
+        self.region, self.trace, self.replayer = region, trace, replayer
+        self.needed, self.remaining = needed, len(needed)
+        self.producers = producers and replayer is None
+        self.values: dict[int, torch.Tensor] = {}
+        self.kinds = iter(region.kinds)
+        self.count = 0
+        self.stopped = False
+        # Under re-created levels, a value wrapped at one dies with it and then acts
+        # as its contents, as the forward's own (dead) wrapper does.
+        self.keep = _torch_private.detach_outermost if region.levels else torch.Tensor.detach
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        if self.stopped:  # ``fn`` caught `_Stop` and went on
+            raise _Stop
+        with quiet():
+            index = self._index(t)
+            if index is None:
+                return t
+            if self.region.check:
+                self.region.compare(index, t, self.trace, self.producers)
+            value = self.keep(t)
+            if self.replayer is not None:
+                self.replayer.handed_back(value)
+            if index in self.needed and index not in self.values:
+                self.values[index] = value
+                self.remaining -= 1
+        if not self.remaining:
+            self.stopped = True
+            raise _Stop
+        return value
+
+    def _index(self, t: torch.Tensor) -> int | None:
+        if self.replayer is not None:
+            return self.replayer.handle(t)
+        if not next(self.kinds, 1):
+            return None
+        self.count += 1
+        return self.count - 1
 
 
 def _end_pass(region: weakref.ref[Region], key: int) -> None:

@@ -175,13 +175,15 @@ def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     print(f"total: {total} bytes ({held} bytes besides inputs)")
 
 
-def input_paths(fn: Callable[..., Any], call: Any, kinds: tuple[type, ...]) -> list[str]:
+def input_paths(
+    fn: Callable[..., Any], call: Any, kinds: tuple[type, ...], namespace: str = ""
+) -> list[str]:
     """Readable paths (like `` `x['a'][0]` ``) of the leaves of ``call`` of the given types."""
     try:
         names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         names = []
-    paths, leaves, _ = optree.tree_flatten_with_path(call, none_is_leaf=True)
+    paths, leaves, _ = optree.tree_flatten_with_path(call, none_is_leaf=True, namespace=namespace)
     out = []
     for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, kinds):

@@ -1,20 +1,29 @@
-"""What a policy keeps, by op index, and only what a backward reads.
+"""Per-op policies: what the forward keeps, and the recompute's verified replay.
 
-During the forward every aten op of the region gets an index, and the forward
-records which earlier ops each op read. The policy decides for each op's outputs
-(random, in-place and view ops are always recomputed). When the forward ends,
-the ops the recompute must run are found backwards from the values it rebuilds,
-stopping at kept ops: those kept values are held, every other one is released,
-and every op not needed is skipped in the recompute (it gets an empty
-placeholder). A kept op is never run again: the recompute replays its value.
-Ops that Python itself reads (non-tensor results, such as ``.item()``), random
-and in-place ops always run, with what they read.
+Forward (`Keeper`): every aten op of the region gets an index and a signature: the
+op, its non-tensor arguments, and for each tensor argument where it came from (an
+earlier op's output at some in-place version, a region input by position, or a
+tensor from outside by identity). The policy decides for each op's outputs (random,
+in-place and view ops always run). When the forward ends, the ops the recompute
+needs are found backwards from the values autograd saved, stopping at kept ops:
+those kept values are held, every other one is released, and unneeded ops are
+marked to be skipped.
+
+Recompute (`Replayer`): each op is matched to the first unmatched forward op with
+the same signature. Equal signatures compute equal values, so only a matched op is
+replayed from a kept value or skipped; an unmatched op runs for real, and after an
+unmatched op that writes in place nothing more is matched. A skipped op returns
+``meta`` tensors, which hold no data: reading one outside aten (``.tolist()``,
+``.numpy()``) fails, as does any op that really runs on one, and the recompute then
+starts again without skipping (`Restart`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,21 +31,16 @@ from . import _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
-__all__ = ["Keeper", "Replayer"]
+__all__ = ["Keeper", "Replayer", "Restart", "storage_key"]
 
 
-def _tensors(values: Any) -> list[torch.Tensor]:
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
+class Restart(BaseException):
+    """A recompute read a value it skipped: run it again without skipping."""
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
-    return _tensors(out if isinstance(out, (list, tuple)) else (out,))
+    values = out if isinstance(out, (list, tuple)) else (out,)
+    return [t for t in values if isinstance(t, torch.Tensor)]
 
 
 def _map(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -76,95 +80,194 @@ _METADATA_ONLY = frozenset(
     }
 )
 
-
 _READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
 _KINDS: dict[Any, int] = {}
 
 
 def _kind(func: Any) -> int:
     """How the bookkeeping treats an op (cached per overload)."""
-    if func.overloadpacket in _METADATA_ONLY:
-        return _READS_METADATA
-    if is_random(func) or func._schema.is_mutable:
-        return _ALWAYS_RUNS
-    return _VIEW if func.is_view else _DECIDED
+    kind = _KINDS.get(func)
+    if kind is None:
+        if func.overloadpacket in _METADATA_ONLY:
+            kind = _READS_METADATA
+        elif is_random(func) or func._schema.is_mutable:
+            kind = _ALWAYS_RUNS
+        else:
+            kind = _VIEW if func.is_view else _DECIDED
+        _KINDS[func] = kind
+    return kind
 
 
 def _version(out: Any) -> int:
     return sum(t._version for t in _outputs(out))
 
 
+class _Made(NamedTuple):
+    """A tensor an op of the region made: which op, which output, at which version."""
+
+    ref: weakref.ref[torch.Tensor]
+    op: int
+    position: int
+    made_at: int
+
+
+class Provenance:
+    """Where the tensors an op reads come from, for signatures (one per forward or recompute)."""
+
+    __slots__ = ("aliases", "earlier", "forward", "inputs", "made", "outside")
+
+    def __init__(
+        self,
+        inputs: list[torch.Tensor],
+        outside: dict[int, weakref.ref[torch.Tensor]],
+        forward: bool,
+        earlier: dict[int, _Made] | None = None,
+    ) -> None:
+        self.made: dict[int, _Made] = {}
+        # A recompute's: what the forward made (a tensor it cached, still alive, is that).
+        self.earlier = earlier or {}
+        # Tensors standing for others: values saved-tensor hooks hand back, private
+        # copies of module buffers. id -> (ref, what they stand for, version offset).
+        self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int]] = {}
+        self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
+        self.outside = outside  # shared by a forward and its recomputes: identity, checked
+        self.forward = forward
+
+    def describe(self, t: torch.Tensor, reads: set[int] | None = None) -> Any:
+        made = self.made.get(id(t))
+        if made is not None and made.ref() is t:
+            if reads is not None:
+                reads.add(made.op)
+            return (made.op, made.position, t._version - made.made_at)
+        alias = self.aliases.get(id(t)) if self.aliases else None
+        if alias is not None and alias[0]() is t:
+            return (*alias[1], t._version + alias[2])
+        entry = self.inputs.get(id(t))
+        if entry is not None:
+            return ("input", entry[0], t._version - entry[1])
+        made = self.earlier.get(id(t))
+        if made is not None and made.ref() is t:
+            return (made.op, made.position, t._version - made.made_at)
+        ref = self.outside.get(id(t))
+        if ref is None or ref() is not t:
+            if not self.forward:
+                return ("unknown", id(t))  # equal to nothing the forward recorded
+            self.outside[id(t)] = weakref.ref(t)
+        return ("outside", id(t), t._version)
+
+    def signature(self, func: Any, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
+        """The op and its arguments, tensors replaced by where they came from."""
+        return (func, self._key(args, reads), self._key(kwargs, reads) if kwargs else ())
+
+    def _key(self, value: Any, reads: set[int] | None) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.describe(value, reads)
+        if isinstance(value, (list, tuple)):
+            return tuple(self._key(v, reads) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, self._key(v, reads)) for k, v in value.items())
+        if isinstance(value, torch.Generator):
+            # A dispatch mode sees a new wrapper of the same generator each time.
+            return ("generator", value.device, value.initial_seed())
+        if isinstance(value, float) and value != value:
+            return "nan"
+        return value
+
+    def alias(self, t: torch.Tensor, descriptor: Any) -> None:
+        """``t`` stands for the value ``descriptor`` describes (at ``t``'s version now)."""
+        if isinstance(descriptor, tuple):
+            *prefix, version = descriptor
+            self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
+
+    def record(self, out: Any, index: int) -> None:
+        for position, t in enumerate(_outputs(out)):
+            self.made[id(t)] = _Made(weakref.ref(t), index, position, t._version)
+
+
+class _Shape(NamedTuple):
+    """An op output's layout, to stand in for it (as a meta tensor) when it is skipped."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return cls(out.shape, out.stride(), out.dtype)
+        if isinstance(out, (list, tuple)) and out and all(isinstance(t, torch.Tensor) for t in out):
+            return type(out)(map(cls.of, out))
+        return None
+
+
 class Keeper:
-    """The forward side: the policy's decisions, and what the recompute needs."""
+    """The forward side: signatures, the policy's decisions, and what the recompute needs."""
 
     __slots__ = (
-        "count",
         "deps",
+        "described",
         "error",
+        "finished",
         "kept",
         "keys",
-        "metas",
+        "layouts",
+        "made",
         "offload",
         "ops",
+        "outside",
         "policy",
-        "produced",
+        "provenance",
         "rebuilt_before",
         "roots",
+        "signatures",
         "skip",
         "skips",
         "sources",
+        "table",
         "tags",
         "wanted",
     )
 
-    def __init__(self, policy: Policy, sources: bool = False) -> None:
+    def __init__(self, policy: Policy, inputs: list[torch.Tensor], sources: bool = False) -> None:
         self.policy = policy
-        self.count = 0
         self.ops: list[Any] = []
         self.deps: list[tuple[int, ...]] = []  # op index -> indices of the ops it read
-        self.metas: list[Any] = []  # op index -> output shapes, for placeholders
+        self.layouts: list[Any] = []  # op index -> output layouts, for placeholders
         self.roots: list[int] = []  # ops that always run in the recompute
-        self.produced: dict[int, int] = {}  # id(output) -> op index, during the forward
+        self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
+        self.outside: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.provenance: Provenance | None = Provenance(_plain(inputs), self.outside, forward=True)
+        self.made: dict[int, _Made] = {}  # the forward's, once it finished
+        self.signatures: dict[Any, list[int]] = {}  # saved value -> handle indices, in order
+        self.described: list[Any] = []  # handle index -> saved value
         self.kept: dict[int, tuple[Any, int]] = {}  # op index -> (output, version)
         self.keys: dict[tuple[Any, ...], int] = {}  # storage key of a kept output -> index
         self.wanted: set[int] = set()  # ops whose outputs autograd saved for a rebuild
-        self.skip: dict[int, Any] = {}  # op index -> placeholder metadata, after finish
+        self.skip: dict[int, Any] = {}  # op index -> layout, once the forward finished
         self.tags: dict[int, frozenset[str]] = {}
         self.offload: dict[int, tuple[torch.device, torch.device]] = {}
         self.sources: dict[int, str] | None = {} if sources else None
         self.error: Exception | None = None
         self.rebuilt_before = 0
         self.skips = True
+        self.finished = False
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Record one forward op: what it read, and the policy's decision on its outputs."""
-        index = self.count
-        self.count += 1
+        """Record one forward op: its signature, and the policy's decision on its outputs."""
+        provenance = self.provenance
+        assert provenance is not None
+        index = len(self.ops)
         self.ops.append(func)
-        produced = self.produced
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _KINDS[func] = _kind(func)
-        if kind == _READS_METADATA:
-            self.deps.append(())
-        else:
-            reads: set[int] = set()
-            for arg in (*args, *kwargs.values()) if kwargs else args:
-                if isinstance(arg, (list, tuple)):
-                    reads.update(produced[id(a)] for a in arg if id(a) in produced)
-                elif id(arg) in produced:
-                    reads.add(produced[id(arg)])
-            self.deps.append(tuple(reads))
-        if isinstance(out, torch.Tensor):
-            produced[id(out)] = index
-            self.metas.append(_Shape(out))
-        elif isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out):
-            for t in out:
-                produced[id(t)] = index
-            self.metas.append(type(out)(map(_Shape, out)) if out else None)
-        else:
-            self.metas.append(None)
-        if kind == _ALWAYS_RUNS or self.metas[-1] is None:
+        kind = _kind(func)
+        reads: set[int] = set()
+        signature = provenance.signature(func, args, kwargs, reads)
+        self.deps.append(() if kind == _READS_METADATA else tuple(reads))
+        with contextlib.suppress(TypeError):  # an unhashable argument: never matched
+            self.table.setdefault(signature, []).append(index)
+        provenance.record(out, index)
+        layout = _Shape.of(out)
+        self.layouts.append(layout)
+        if kind == _ALWAYS_RUNS or layout is None:
             self.roots.append(index)
             return
         if kind == _VIEW:
@@ -178,16 +281,17 @@ class Keeper:
 
     def tag(self, t: torch.Tensor, names: frozenset[str]) -> None:
         """`remat.name`: ask the policy again about the op that produced ``t``."""
-        index = self.produced.get(id(t))
-        if index is None:
+        made = self.provenance.made.get(id(t)) if self.provenance is not None else None
+        if made is None or made.ref() is not t:
             return
+        index = made.op
         names = self.tags.get(index, frozenset()) | names
         self.tags[index] = names
         func = self.ops[index]
         decision = as_decision(self.policy, self.policy(OpCall(func, (), {}, t, names)), func)
         self.kept.pop(index, None)
         self.offload.pop(index, None)
-        if index not in self.roots and not func.is_view:
+        if index not in self.roots and _kind(func) == _DECIDED:
             self._apply(index, decision, t)
 
     def _apply(self, index: int, decision: Decision, out: Any) -> None:
@@ -206,15 +310,25 @@ class Keeper:
 
             self.sources[index] = source_line()
 
-    def note_saved(self, t: torch.Tensor) -> None:
+    def note_saved(self, t: torch.Tensor, handle: int) -> None:
         """Autograd saves ``t`` for a handle: the recompute runs up to here and rebuilds it."""
-        self.rebuilt_before = self.count
+        assert self.provenance is not None
+        self.rebuilt_before = len(self.ops)
         plain = _torch_private.unwrap_all(t)
-        index = self.produced.get(id(plain))
+        made = self.provenance.made.get(id(plain))
+        index = made.op if made is not None and made.ref() is plain else None
         if index is None and self.keys:
             index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
         if index is not None:
             self.wanted.add(index)
+        signature = _hashable(self.provenance.describe(plain))
+        self.signatures.setdefault(signature, []).append(handle)
+        self.described.append(signature)
+
+    def handed_back(self, handle: int, value: torch.Tensor) -> None:
+        """A recompute inside the forward gave ``fn`` the value of ``handle``."""
+        if self.provenance is not None:
+            self.provenance.alias(_torch_private.unwrap_all(value), self.described[handle])
 
     def finish(self, skip: bool = True) -> None:
         """End of forward: hold what the recompute reads, skip what it does not need.
@@ -224,7 +338,7 @@ class Keeper:
         """
         if self.error is not None:
             raise self.error
-        self.skips = skip
+        self.skips = self.skips and skip
         needed = self._needed()
         with _torch_private.functorch_cleared():
             for index in list(self.kept):
@@ -235,7 +349,8 @@ class Keeper:
                         alias = _move(alias, self.offload[index][1])
                     self.kept[index] = (alias, _version(alias))
         self._skip(needed)
-        self.produced, self.keys = {}, {}
+        self.made = self.provenance.made  # type: ignore[union-attr]
+        self.provenance, self.keys, self.finished = None, {}, True
 
     def release(self) -> None:
         """After a recompute: drop every kept value, as nothing may read them again.
@@ -243,9 +358,14 @@ class Keeper:
         Only a second backward through the same graph (``retain_graph=True``) could;
         it then runs those ops again, so the ops they read are no longer skipped.
         """
-        if self.kept:
+        if self.finished and self.kept:
             self.kept.clear()
             self._skip(self._needed())
+
+    def stop_skipping(self) -> None:
+        """A skipped value was read: from now on the recompute runs every op it reaches."""
+        self.skips = False
+        self.skip = {}
 
     def _needed(self) -> set[int]:
         """Ops the recompute must run: backwards from rebuilt values, stopping at kept ones."""
@@ -262,15 +382,9 @@ class Keeper:
         return needed
 
     def _skip(self, needed: set[int]) -> None:
-        limit = self.rebuilt_before
         if self.skips:
-            self.skip = {i: self.metas[i] for i in range(limit) if i not in needed}
-
-    def skip_shapes(self) -> list[_Shape]:
-        shapes: list[_Shape] = []
-        for meta in self.skip.values():
-            shapes.extend([meta] if isinstance(meta, _Shape) else meta)
-        return shapes
+            limit = self.rebuilt_before
+            self.skip = {i: self.layouts[i] for i in range(limit) if i not in needed}
 
     def value(self, index: int) -> Any:
         """A kept value, on its own device, as a fresh alias autograd may attach to."""
@@ -286,58 +400,111 @@ class Keeper:
         return _map(alias, torch.Tensor.detach)
 
 
+def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [_torch_private.unwrap_all(t) for t in tensors]
+
+
+def _hashable(signature: Any) -> Any:
+    try:
+        hash(signature)
+    except TypeError:
+        return object()  # matches nothing
+    return signature
+
+
 class Replayer:
-    """The recompute side: kept values and placeholders, at their op index.
+    """The recompute side: matches each op to the forward's, then replays, skips or runs it.
 
     It runs inside the recompute's dispatch mode, below torch.func's levels.
-    Placeholders of one recompute are views of one scratch buffer per dtype and
-    device: nothing reads or writes them, only their layout matters.
     """
 
-    __slots__ = ("count", "keeper", "scratch")
+    __slots__ = (
+        "cursor",
+        "diverged",
+        "handles",
+        "keeper",
+        "last",
+        "placeholders",
+        "provenance",
+        "restart",
+    )
 
-    def __init__(self, keeper: Keeper) -> None:
+    def __init__(self, keeper: Keeper, inputs: list[torch.Tensor]) -> None:
         self.keeper = keeper
-        self.count = 0
-        self.scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        made = keeper.provenance.made if keeper.provenance is not None else keeper.made
+        self.provenance = Provenance(_plain(inputs), keeper.outside, forward=False, earlier=made)
+        self.cursor: dict[Any, int] = {}
+        self.handles = {key: list(reversed(hs)) for key, hs in keeper.signatures.items()}
+        self.placeholders: dict[int, torch.Tensor] = {}  # kept alive: their ids stay theirs
+        self.diverged = self.restart = False
+        self.last: Any = None
 
-    def next(self) -> tuple[bool, Any]:
-        index = self.count
-        self.count += 1
-        if index in self.keeper.kept:
-            return True, self.keeper.value(index)
-        meta = self.keeper.skip.get(index)
-        if meta is None:
-            return False, None
-        if isinstance(meta, _Shape):
-            return True, self._placeholder(meta)
-        return True, type(meta)(self._placeholder(m) for m in meta)
+    def call(self, func: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
+        signature = self.provenance.signature(func, args, kwargs, None)
+        index = None if self.diverged else self._match(signature)
+        keeper = self.keeper
+        if index is not None and index in keeper.kept:
+            out = keeper.value(index)
+        elif index is not None and index in keeper.skip:
+            out = self._placeholder(keeper.skip[index])
+        else:
+            if self.placeholders and self._reads_placeholder((args, kwargs)):
+                self.restart = True
+                raise Restart
+            out = run()
+            if index is None and func._schema.is_mutable:
+                self.diverged = True  # an unknown write: aliases may now hold anything
+        self.provenance.record(out, -1 if index is None else index)
+        return out
 
-    def _placeholder(self, meta: _Shape) -> torch.Tensor:
-        """An output nobody reads, with the forward's layout (composite ops such as
-        ``matmul`` choose their next ops by it)."""
-        key = (meta.dtype, meta.device)
-        scratch = self.scratch.get(key)
-        if scratch is None:
-            size = max(m.elements for m in self.keeper.skip_shapes() if (m.dtype, m.device) == key)
-            scratch = self.scratch[key] = torch.empty(size, dtype=meta.dtype, device=meta.device)
-        return scratch.as_strided(meta.shape, meta.stride)
+    def handle(self, t: torch.Tensor) -> int | None:
+        """The forward's handle that a value autograd saves in the recompute rebuilds, if any."""
+        plain = _torch_private.unwrap_all(t)
+        if id(plain) in self.placeholders:
+            return None
+        signature = _hashable(self.provenance.describe(plain))
+        waiting = self.handles.get(signature)
+        if not waiting:
+            return None
+        self.last = signature
+        return waiting.pop()
 
+    def handed_back(self, value: torch.Tensor) -> None:
+        """The pack hook gives autograd ``value`` for the value just matched."""
+        self.provenance.alias(_torch_private.unwrap_all(value), self.last)
 
-class _Shape:
-    """What an op output looked like, to stand in for it when it need not be rebuilt."""
+    def stand_in(self, copy: torch.Tensor, original: torch.Tensor, version: int) -> None:
+        """``copy`` is what the forward read as ``original`` at ``version``."""
+        self.provenance.alias(copy, ("outside", id(original), version))
 
-    __slots__ = ("device", "dtype", "shape", "stride")
+    def _match(self, signature: Any) -> int | None:
+        try:
+            indices = self.keeper.table.get(signature)
+        except TypeError:
+            return None
+        if not indices:
+            return None
+        k = self.cursor.get(signature, 0)
+        if k == len(indices):
+            return None
+        self.cursor[signature] = k + 1
+        return indices[k]
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+    def _reads_placeholder(self, value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return id(value) in self.placeholders
+        if isinstance(value, (list, tuple)):
+            return any(self._reads_placeholder(v) for v in value)
+        if isinstance(value, dict):
+            return any(self._reads_placeholder(v) for v in value.values())
+        return False
 
-    @property
-    def elements(self) -> int:
-        """How many elements a storage needs to hold this layout."""
-        if 0 in self.shape:
-            return 1
-        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+    def _placeholder(self, layout: Any) -> Any:
+        if isinstance(layout, _Shape):
+            t = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype, device="meta")
+            self.placeholders[id(t)] = t
+            return t
+        return type(layout)(self._placeholder(m) for m in layout)
 
 
 def _move(out: Any, device: torch.device) -> Any:

@@ -1,48 +1,109 @@
-"""Module state a region reads by closure, pinned for its recompute.
+"""Module state a region reads by reference, as its recompute must see it.
 
-``torch.func.functional_call`` swaps a module's parameters and buffers only for
-the duration of the call, but the recompute runs later, during backward. A
-region therefore records the tensors of the modules it can see (``self`` of a
-method, module arguments, a bound method's owner, modules in ``fn``'s closure)
-at forward time, and puts them back for the recompute if they changed.
+A region finds the modules ``fn`` can reach (``fn`` itself, ``self`` of a bound
+method, ``functools.partial`` arguments, closures, module arguments, at any depth)
+and records, for each parameter and buffer slot, the tensor it held at entry.
+
+- ``torch.func.functional_call`` swaps tensors into the slots only for the call,
+  but the recompute runs later: the recompute puts the forward's tensor back.
+- A tensor the forward updates in place (BatchNorm's running statistics, an EMA,
+  spectral norm's power-iteration vectors) is snapshotted at entry (an update is
+  told by its version counter, or by its value: batch norm's kernel writes its
+  statistics without a version bump); the
+  recompute runs on a private copy of the snapshot, so it reads what the forward
+  read, and the live buffer keeps the forward's update (applied once).
+  Every buffer of a module is snapshotted the first time a region sees it;
+  after that, only those a region's forward has updated.
+- A slot whose tensor the forward itself replaced (a module assigning a new
+  buffer) or that FSDP2 manages (it re-gathers parameters for the recompute) is
+  left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["ModuleState"]
+from ._errors import RecomputeError
+
+__all__ = ["ModuleState", "reachable_modules"]
+
+# Per module: names of its tensors some region's forward updated in place.
+_UPDATED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return None
+    return FSDPModule
+
+
+_FSDP = _fsdp_module_type()
+
+
+def reachable_modules(fn: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
+    """Modules ``fn`` can reach: itself, bound ``self``, partials, closures, arguments."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack: list[Any] = [fn, *leaves]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            found.append(obj)
+        elif isinstance(obj, functools.partial):
+            stack.extend([obj.func, *obj.args, *obj.keywords.values()])
+        elif callable(obj):
+            stack.extend(_callable_parts(obj))
+    return found
+
+
+def _callable_parts(fn: Any) -> list[Any]:
+    parts = [getattr(fn, "__self__", None), getattr(fn, "__func__", None)]
+    parts.append(getattr(fn, "__wrapped__", None))
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            parts.append(cell.cell_contents)
+    return [p for p in parts if p is not None and not isinstance(p, type)]
+
+
+class _Slot(NamedTuple):
+    module: nn.Module
+    table: dict[str, Any]
+    name: str
+    tensor: torch.Tensor
+    version: int
 
 
 class ModuleState:
-    """The parameter and buffer tensors of some modules, by slot, with versions."""
+    """The parameter and buffer slots of some modules, as the region's forward saw them."""
 
-    __slots__ = ("generators", "slots")
+    __slots__ = ("ended", "generators", "lost", "slots", "snapshots")
 
-    def __init__(
-        self, slots: list[tuple[dict[str, Any], str, torch.Tensor, int]], generators: list[Any]
-    ) -> None:
+    def __init__(self, slots: list[_Slot], snapshots: dict[int, torch.Tensor], gens: list[Any]):
         self.slots = slots
-        self.generators = generators  # explicit torch.Generators kept as module attributes
+        self.snapshots = snapshots  # slot index -> value at entry
+        self.generators = gens  # explicit torch.Generators kept as module attributes
+        self.ended: list[int] = []  # slot index -> version when the forward ended
+        self.lost: list[_Slot] = []  # updated by the forward, with no snapshot
 
     @classmethod
     def capture(cls, fn: Callable[..., Any], leaves: list[Any]) -> ModuleState | None:
-        modules = [leaf for leaf in [fn, *leaves] if isinstance(leaf, nn.Module)]
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, nn.Module):
-            modules.append(owner)
-        for cell in getattr(fn, "__closure__", None) or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                if isinstance(cell.cell_contents, nn.Module):
-                    modules.append(cell.cell_contents)
+        modules = reachable_modules(fn, leaves)
         if not modules:
             return None
-        slots: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        slots: list[_Slot] = []
+        snapshots: dict[int, torch.Tensor] = {}
         generators: list[Any] = []
         seen: set[int] = set()
         for module in modules:
@@ -51,30 +112,78 @@ class ModuleState:
                     continue
                 seen.add(id(sub))
                 generators.extend(v for v in vars(sub).values() if isinstance(v, torch.Generator))
+                if _FSDP is not None and isinstance(sub, _FSDP):
+                    seen.update(id(m) for m in sub.modules())
+                    continue
+                updated = _UPDATED.get(sub)
                 for table in (sub._parameters, sub._buffers):
-                    slots.extend(
-                        (table, name, t, t._version) for name, t in table.items() if t is not None
-                    )
-        return cls(slots, generators)
+                    for name, t in table.items():
+                        if t is None:
+                            continue
+                        first = updated is None and table is sub._buffers
+                        if first or (updated is not None and name in updated):
+                            with torch.no_grad():
+                                snapshots[len(slots)] = t.detach().clone()
+                        slots.append(_Slot(sub, table, name, t, t._version))
+        return cls(slots, snapshots, generators)
+
+    def settle(self) -> None:
+        """End of the forward: keep snapshots of what it updated, learn what it updates."""
+        self.ended = [slot.tensor._version for slot in self.slots]
+        for i, slot in enumerate(self.slots):
+            updated = _UPDATED.setdefault(slot.module, set())
+            snapshot = self.snapshots.get(i)
+            # Some kernels (batch norm's running statistics) write without a version bump.
+            same = self.ended[i] == slot.version and (
+                snapshot is None or torch.equal(snapshot, slot.tensor)
+            )
+            if same or slot.table.get(slot.name) is not slot.tensor:
+                self.snapshots.pop(i, None)
+                continue
+            updated.add(slot.name)
+            if i not in self.snapshots:
+                self.lost.append(slot)
 
     @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
-        """Within the block, every slot holds the tensor it held at forward time."""
-        for _, name, t, version in self.slots:
-            if t._version != version:
+    def pinned(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
+        """Within the block, every slot shows what the forward read from it.
+
+        Yields the private copies it put in: (copy, the forward's tensor, its version then).
+        """
+        for slot in self.lost:
+            raise RecomputeError(
+                f"`remat`: the forward updated module tensor `{slot.name}` of "
+                f"{type(slot.module).__name__} in place, and remat had not kept its value from "
+                "before the forward, so the recompute cannot read what the forward read. This "
+                "happens the first time a region's forward updates a parameter (buffers are "
+                "always kept the first time); later calls keep it. Update it outside `fn`, "
+                "or run one step before training."
+            )
+        swaps: list[tuple[dict[str, Any], str, Any]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for i, slot in enumerate(self.slots):
+            current = slot.table.get(slot.name)
+            snapshot = self.snapshots.get(i)
+            if snapshot is not None:
+                with torch.no_grad():
+                    copy = snapshot.clone()
+                swaps.append((slot.table, slot.name, copy))
+                copies.append((copy, slot.tensor, slot.version))
+                continue
+            if self.ended and self.ended[i] == slot.version and current is not slot.tensor:
+                swaps.append((slot.table, slot.name, slot.tensor))
+            if slot.tensor._version != (self.ended[i] if self.ended else slot.version):
                 raise RuntimeError(
-                    f"`remat`: module tensor `{name}` was modified in place between the forward "
-                    f"and the backward (version {version} -> {t._version}), so the recompute "
-                    "would give wrong gradients. Step the optimizer after the backward."
+                    f"`remat`: module tensor `{slot.name}` was modified in place between the "
+                    f"forward and the backward (version {slot.version} -> "
+                    f"{slot.tensor._version}), so the recompute would give wrong gradients. "
+                    "Step the optimizer after the backward."
                 )
-        changed = [(table, name, t) for table, name, t, _ in self.slots if table.get(name) is not t]
-        previous: list[tuple[dict[str, Any], str, Any]] = [
-            (table, name, table.get(name)) for table, name, _ in changed
-        ]
-        for table, name, t in changed:
+        previous = [(table, name, table.get(name)) for table, name, _ in swaps]
+        for table, name, t in swaps:
             table[name] = t
         try:
-            yield
+            yield copies
         finally:
             for table, name, t in previous:
                 table[name] = t

@@ -238,7 +238,7 @@ class offload(Policy):  # noqa: N801
 
     def __init__(self, policy: Any, device: str | torch.device = "cpu") -> None:
         object.__setattr__(self, "policy", resolve(policy))
-        object.__setattr__(self, "device", torch.device(device))
+        object.__setattr__(self, "device", _device(device))
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
         decision = self.policy.decide(op, call)
@@ -246,6 +246,24 @@ class offload(Policy):  # noqa: N801
 
     def __call__(self, call: OpCall) -> Decision:
         return self.decide(call.op, lambda: call)
+
+
+def _device(device: Any) -> torch.device:
+    """`offload`'s ``device``, checked now rather than in the first forward."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"`offload`: `device` must be a torch device such as 'cpu', got {device!r}."
+        ) from None
+    module = getattr(torch, target.type, None)
+    available = getattr(module, "is_available", None)
+    if target.type != "cpu" and (available is None or not available()):
+        raise ValueError(
+            f"`offload`: `device` is {device!r}, but this machine has no {target.type} "
+            "device. Offload to 'cpu' (the usual target), or to a device torch can use here."
+        )
+    return target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +319,11 @@ def resolve(policy: Any) -> Policy:
                 f"`remat`: unknown policy {policy!r}. Valid names: {valid}. "
                 "Pass one of these, or a policy object from `remat.policies`."
             ) from None
+    if isinstance(policy, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        raise TypeError(
+            f"`remat`: `policy` got the aten op {policy!r}, not a policy. To keep its "
+            f"outputs, pass `policy=remat.policies.save_ops({policy!r})`."
+        )
     if callable(policy) and not isinstance(policy, type):
         return _Custom(policy)
     raise TypeError(

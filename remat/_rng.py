@@ -139,6 +139,15 @@ def _default_generators() -> list[torch.Generator]:
     return generators
 
 
+def _fresh(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is at the state its seed gives: one ``fn`` made and seeded.
+
+    The recompute draws from such a generator itself: ``fn`` made it again, and the
+    forward drew the same numbers from its own.
+    """
+    return torch.equal(generator.get_state(), _initial_state(generator))
+
+
 def _initial_state(generator: torch.Generator) -> torch.Tensor:
     """The state a lazily initialized (CUDA) generator starts from."""
     fresh = torch.Generator(device=generator.device)
@@ -180,6 +189,11 @@ class RngCapture:
                     self.states.setdefault(generator, initial)
         self.snapshot = []
 
+    def lendable(self) -> dict[torch.Generator, torch.Tensor]:
+        """The states a recompute starts from; inside the forward (an ``autograd.grad`` in
+        ``fn``), those read when it began."""
+        return dict(self.snapshot) if self.snapshot else self.states
+
     def replay(self) -> RngReplay:
         clones = {}
         for generator, state in self.states.items():
@@ -218,7 +232,11 @@ class RngLend(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
-        if isinstance(generator, torch.Generator) and generator not in self.states:
+        if (
+            isinstance(generator, torch.Generator)
+            and generator not in self.states
+            and not _fresh(generator)
+        ):
             raise RecomputeError(
                 f"`remat`: the recompute's {getattr(func, '__name__', func)} draws from a "
                 f"generator ({generator.device}) that the forward's capture did not see. Pass it "
@@ -250,6 +268,8 @@ class RngReplay:
         if generator is None:
             return func(*args, **kwargs)
         clone = _find(self.clones, generator)
+        if clone is None and "generator" in kwargs and _fresh(generator):
+            self.clones[generator] = clone = generator  # made and seeded inside ``fn``
         if clone is None:
             raise RecomputeError(
                 f"`remat`: the recompute's {func} draws from a generator ({generator.device}) "

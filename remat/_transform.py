@@ -33,6 +33,7 @@ def remat(
     policy: PolicyLike = "save_nothing",
     preserve_rng: bool = True,
     check: Literal["shapes", "none"] = "shapes",
+    namespace: str = "",
 ) -> Callable[_P, _R]: ...
 
 
@@ -44,6 +45,7 @@ def remat(
     policy: PolicyLike = "save_nothing",
     preserve_rng: bool = True,
     check: Literal["shapes", "none"] = "shapes",
+    namespace: str = "",
 ) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 
 
@@ -54,6 +56,7 @@ def remat(
     policy: PolicyLike = "save_nothing",
     preserve_rng: bool = True,
     check: Literal["shapes", "none"] = "shapes",
+    namespace: str = "",
 ) -> Any:
     """Make ``fn`` recompute its activations during backward instead of keeping them.
 
@@ -76,13 +79,16 @@ def remat(
             while it runs (see the RNG docs).
         check: ``"shapes"`` compares the shape, dtype, device and producing op of every
             recomputed value with the forward's; ``"none"`` skips that.
+        namespace: an ``optree`` namespace: pytree nodes registered under it are walked
+            like built-in containers, so the tensors inside are inputs (kept by
+            reference, version-checked, given gradients).
 
     Returns:
         A function with ``fn``'s signature and metadata, plus ``__wrapped__``
         (``fn``) and ``policy`` (the resolved policy object).
 
     Raises:
-        TypeError: ``fn`` is not callable, or ``policy`` has the wrong type.
+        TypeError: ``fn`` is not callable, or ``policy`` or ``namespace`` has the wrong type.
         ValueError: ``policy`` names no known policy, or ``check`` is unknown.
 
     Examples:
@@ -102,8 +108,14 @@ def remat(
         raise ValueError(f"`remat`: `check` must be 'shapes' or 'none', got {check!r}.")
     if not isinstance(preserve_rng, bool):
         raise TypeError(f"`remat`: `preserve_rng` must be True or False, got {preserve_rng!r}.")
+    if not isinstance(namespace, str):
+        raise TypeError(
+            f"`remat`: `namespace` must be an optree namespace (str), got {namespace!r}."
+        )
     if fn is None:
-        return functools.partial(remat, policy=resolved, preserve_rng=preserve_rng, check=check)
+        return functools.partial(
+            remat, policy=resolved, preserve_rng=preserve_rng, check=check, namespace=namespace
+        )
     if not callable(fn):
         raise TypeError(
             f"`remat` expected a callable `fn`, got {fn!r} of type {type(fn).__name__}. "
@@ -115,7 +127,11 @@ def remat(
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if resolved.keeps_everything or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        leaves: list[Any] = optree.tree_leaves(
+            (args, kwargs),  # type: ignore[arg-type]
+            none_is_leaf=True,
+            namespace=namespace,
+        )
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         modules = ModuleState.capture(fn, leaves)
         generators = []
@@ -123,7 +139,15 @@ def remat(
             extra = modules.generators if modules is not None else []
             generators = visible_generators(fn, leaves, extra)
         region = Region(
-            fn, (args, kwargs), inputs, modules, generators, resolved, preserve_rng, compare
+            fn,
+            (args, kwargs),
+            inputs,
+            modules,
+            generators,
+            resolved,
+            preserve_rng,
+            compare,
+            namespace,
         )
         return region.forward()
 

@@ -112,7 +112,7 @@ def test_fewer_saved_values_raises():
     with pytest.raises(
         RecomputeError,
         match=re.escape(
-            "the recompute saved 1 values for backward but the forward saved 2; "
+            "the recompute rebuilt 1 of the 2 values backward needs; "
             "value #1 (output of aten.tanh, float32[4, 3] on cpu) was never rebuilt"
         ),
     ):
