@@ -52,7 +52,7 @@ class track(TorchDispatchMode):  # noqa: N801 - used as a context manager, like 
         if func.is_view or func._schema.is_mutable:
             return out
         for leaf in optree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":  # holds no data
                 self._count(leaf.untyped_storage())
         return out
 
