@@ -21,6 +21,7 @@ starts again without skipping (`Restart`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -79,6 +80,10 @@ _METADATA_ONLY = frozenset(
         aten.new_full,
     }
 )
+
+# Ops whose output is their input's value: provenance passes through them (autograd
+# adds and drops detaches between one run and the next).
+_TRANSPARENT = frozenset({aten.detach.default, aten.alias.default})
 
 _READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
 _KINDS: dict[Any, int] = {}
@@ -141,6 +146,8 @@ class Provenance:
             return (made.op, made.position, t._version - made.made_at)
         alias = self.aliases.get(id(t)) if self.aliases else None
         if alias is not None and alias[0]() is t:
+            if reads is not None and isinstance(alias[1][0], int):
+                reads.add(alias[1][0])  # it stands for that op's output
             return (*alias[1], t._version + alias[2])
         entry = self.inputs.get(id(t))
         if entry is not None:
@@ -179,7 +186,10 @@ class Provenance:
             *prefix, version = descriptor
             self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
 
-    def record(self, out: Any, index: int) -> None:
+    def record(self, func: Any, args: Any, out: Any, index: int) -> None:
+        if func in _TRANSPARENT and isinstance(out, torch.Tensor):
+            self.alias(out, self.describe(args[0]))
+            return
         for position, t in enumerate(_outputs(out)):
             self.made[id(t)] = _Made(weakref.ref(t), index, position, t._version)
 
@@ -190,11 +200,12 @@ class _Shape(NamedTuple):
     shape: torch.Size
     stride: tuple[int, ...]
     dtype: torch.dtype
+    device: torch.device
 
     @classmethod
     def of(cls, out: Any) -> Any:
         if isinstance(out, torch.Tensor):
-            return cls(out.shape, out.stride(), out.dtype)
+            return cls(out.shape, out.stride(), out.dtype, out.device)
         if isinstance(out, (list, tuple)) and out and all(isinstance(t, torch.Tensor) for t in out):
             return type(out)(map(cls.of, out))
         return None
@@ -264,7 +275,7 @@ class Keeper:
         self.deps.append(() if kind == _READS_METADATA else tuple(reads))
         with contextlib.suppress(TypeError):  # an unhashable argument: never matched
             self.table.setdefault(signature, []).append(index)
-        provenance.record(out, index)
+        provenance.record(func, args, out, index)
         layout = _Shape.of(out)
         self.layouts.append(layout)
         if kind == _ALWAYS_RUNS or layout is None:
@@ -386,6 +397,16 @@ class Keeper:
             limit = self.rebuilt_before
             self.skip = {i: self.layouts[i] for i in range(limit) if i not in needed}
 
+    def replayable(self, index: int) -> bool:
+        """Whether a kept value still holds what its op computed.
+
+        Inside the forward (a recompute started there) the forward may have
+        modified it in place since; the op then runs again. After the forward,
+        `value` raises on such a change.
+        """
+        out, version = self.kept[index]
+        return self.finished or _version(out) == version
+
     def value(self, index: int) -> Any:
         """A kept value, on its own device, as a fresh alias autograd may attach to."""
         alias, version = self.kept[index]
@@ -435,7 +456,8 @@ class Replayer:
         self.provenance = Provenance(_plain(inputs), keeper.outside, forward=False, earlier=made)
         self.cursor: dict[Any, int] = {}
         self.handles = {key: list(reversed(hs)) for key, hs in keeper.signatures.items()}
-        self.placeholders: dict[int, torch.Tensor] = {}  # kept alive: their ids stay theirs
+        # id -> (the placeholder, kept alive so its id stays its own; the real device)
+        self.placeholders: dict[int, tuple[torch.Tensor, torch.device]] = {}
         self.diverged = self.restart = False
         self.last: Any = None
 
@@ -443,18 +465,24 @@ class Replayer:
         signature = self.provenance.signature(func, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
         keeper = self.keeper
-        if index is not None and index in keeper.kept:
+        if index is not None and index in keeper.kept and keeper.replayable(index):
             out = keeper.value(index)
         elif index is not None and index in keeper.skip:
             out = self._placeholder(keeper.skip[index])
         else:
             if self.placeholders and self._reads_placeholder((args, kwargs)):
-                self.restart = True
-                raise Restart
+                if _kind(func) != _READS_METADATA:
+                    self.restart = True
+                    raise Restart
+                args, kwargs = self._real_layouts((args, kwargs))
+                run = functools.partial(func, *args, **kwargs)
             out = run()
+            if self.placeholders and any(t.device.type == "meta" for t in _outputs(out)):
+                self.restart = True  # a skipped value reached a real result some other way
+                raise Restart
             if index is None and func._schema.is_mutable:
                 self.diverged = True  # an unknown write: aliases may now hold anything
-        self.provenance.record(out, -1 if index is None else index)
+        self.provenance.record(func, args, out, -1 if index is None else index)
         return out
 
     def handle(self, t: torch.Tensor) -> int | None:
@@ -499,10 +527,25 @@ class Replayer:
             return any(self._reads_placeholder(v) for v in value.values())
         return False
 
+    def _real_layouts(self, value: Any) -> Any:
+        """Placeholders replaced by empty tensors on their real devices (for ``*_like``)."""
+        if isinstance(value, torch.Tensor):
+            layout = self.placeholders.get(id(value))
+            if layout is None:
+                return value
+            return torch.empty_strided(
+                value.shape, value.stride(), dtype=value.dtype, device=layout[1]
+            )
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._real_layouts(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._real_layouts(v) for k, v in value.items()}
+        return value
+
     def _placeholder(self, layout: Any) -> Any:
         if isinstance(layout, _Shape):
             t = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype, device="meta")
-            self.placeholders[id(t)] = t
+            self.placeholders[id(t)] = (t, layout.device)
             return t
         return type(layout)(self._placeholder(m) for m in layout)
 
