@@ -193,6 +193,7 @@ class Region:
         self.trace: list[TraceEntry] | None = [] if debugging() else None
         self.levels = _functorch.Levels.capture(inputs)
         self.mode: OpMode | None = None  # the forward's, while it runs
+        self.running = False  # whether the forward runs
 
     def moded(self) -> bool:
         """Whether the forward and every recompute run under remat's dispatch mode."""
@@ -210,8 +211,12 @@ class Region:
         if snapshot:
             self.rng.start(self.generators)  # type: ignore[union-attr]
         closures = self.levels.watch_closures(self.tensors)
+        self.running = True
         with running, enabled, hooks, self.mode or _NOTHING, closures:
-            out = self.fn(*self.call[0], **self.call[1])
+            try:
+                out = self.fn(*self.call[0], **self.call[1])
+            finally:
+                self.running = False
             if snapshot:
                 self.rng.finish()  # type: ignore[union-attr]
             self.mode = None
@@ -394,7 +399,7 @@ class Region:
             needed = {only}
         if not needed:
             return {}
-        self._check_inputs()
+        self._check_inputs(inside=self.running)
         forward = self.mode  # set while the forward runs: an ``autograd.grad`` inside ``fn``
         if forward is not None:
             forward.paused += 1

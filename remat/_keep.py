@@ -332,14 +332,16 @@ class Keeper:
             index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
         if index is not None:
             self.wanted.add(index)
-        signature = _hashable(self.provenance.describe(plain))
+        # The logical shape too: under vmap, two saved values may share their batched tensor.
+        signature = _hashable((self.provenance.describe(plain), *_saved_as(t)))
         self.signatures.setdefault(signature, []).append(handle)
         self.described.append(signature)
 
     def handed_back(self, handle: int, value: torch.Tensor) -> None:
         """A recompute inside the forward gave ``fn`` the value of ``handle``."""
-        if self.provenance is not None:
-            self.provenance.alias(_torch_private.unwrap_all(value), self.described[handle])
+        key = self.described[handle]
+        if self.provenance is not None and isinstance(key, tuple):
+            self.provenance.alias(_torch_private.unwrap_all(value), key[0])
 
     def finish(self, skip: bool = True) -> None:
         """End of forward: hold what the recompute reads, skip what it does not need.
@@ -425,6 +427,17 @@ def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_torch_private.unwrap_all(t) for t in tensors]
 
 
+def _saved_as(t: torch.Tensor) -> tuple[Any, ...]:
+    """How autograd saw a saved value: its logical shape, and its torch.func wrappers.
+
+    Under vmap two saved values may share a batched tensor; under nested grad levels
+    one value is saved at several levels. Level numbers change when a recompute
+    re-creates levels, so only the wrappers' kinds count.
+    """
+    chain = _torch_private.wrapper_chain(t)
+    return t.shape, tuple((bdim, requires_grad) for _, bdim, requires_grad in chain)
+
+
 def _hashable(signature: Any) -> Any:
     try:
         hash(signature)
@@ -490,7 +503,7 @@ class Replayer:
         plain = _torch_private.unwrap_all(t)
         if id(plain) in self.placeholders:
             return None
-        signature = _hashable(self.provenance.describe(plain))
+        signature = _hashable((self.provenance.describe(plain), *_saved_as(t)))
         waiting = self.handles.get(signature)
         if not waiting:
             return None
@@ -499,7 +512,8 @@ class Replayer:
 
     def handed_back(self, value: torch.Tensor) -> None:
         """The pack hook gives autograd ``value`` for the value just matched."""
-        self.provenance.alias(_torch_private.unwrap_all(value), self.last)
+        if isinstance(self.last, tuple):
+            self.provenance.alias(_torch_private.unwrap_all(value), self.last[0])
 
     def stand_in(self, copy: torch.Tensor, original: torch.Tensor, version: int) -> None:
         """``copy`` is what the forward read as ``original`` at ``version``."""

@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat import policies
+from remat.policies import Decision, OpCall
+
 DTYPE = torch.float64
 NAMESPACE = "remat-tests"
 
@@ -203,12 +206,28 @@ BINARY = ("add", "mul", "sub", "div", "matmul2", "cat_split")
 SHAPED = ("matmul", "softmax", "layer_norm", "transpose", "reshape", "roll", "expand")
 KINDS = (*UNARY, *BINARY, *SHAPED, "inplace", "inner_grad")
 FUNC_KINDS = tuple(kind for kind in KINDS if kind != "inner_grad")  # no autograd.grad in torch.func
+# Ops with effects outside aten's dataflow: a Python branch on a value read out of a tensor,
+# data-dependent split sizes (MoE routing), a closure cache filled by the first call, a closure
+# state tensor updated in place (an EMA buffer), and an in-place write to an input of the
+# program. Called twice in the same order on equal pools, a program does the same thing twice.
+# `KINDS` leaves them out: only tests that say what they expect of them draw them.
+EFFECT_KINDS = ("tolist_branch", "split_sizes", "cached", "buffer_update", "inplace_input")
+ALL_KINDS = (*KINDS, *EFFECT_KINDS)
+# What torch.func runs of them. No transform mutates a captured tensor (buffer_update); its
+# input is a leaf that requires grad, so inplace_input would only write to a clone; under
+# vmap no Python value can be read out of a batched tensor (tolist_branch, split_sizes), and
+# under grad no tensor's memory either (tolist_branch's "numpy" read: see `reads_memory`).
+FUNC_EFFECT_KINDS = {"grad": ("tolist_branch", "split_sizes", "cached"), "vmap_grad": ("cached",)}
 OUTPUTS = ("last", "tuple", "dict", "mirror", "scalar")
 
 # In-place steps on a fresh clone. `relu_` saves its result, so only the last step may be one.
 CHAIN_STEPS = ("mul_s", "add_t", "sub_t", "mul_t", "div_t", "clamp_", "addcmul_")
 LAST_STEPS = ("relu_",)
 VIEWS = ("whole", "cols", "t", "row")
+# How tolist_branch reads a Python number out of a tensor.
+READS = ("tolist", "item", "numpy")
+# In-place writes of inplace_input to an input of the program (or to a clone: see `_ops`).
+INPUT_STEPS = ("mul_", "add_", "add_w", "clamp_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,17 +263,36 @@ class Program:
 
 
 class Params(NamedTuple):
+    """The closure of a built program.
+
+    ``cache`` is filled by its cached ops' first call; ``buffers`` are the state tensors of
+    its buffer_update ops, each a buffer of the module ``state`` (the op at hand's), read
+    through it as a model reads its buffers; ``holders`` are those modules.
+    """
+
     w: torch.Tensor
     c: torch.Tensor
     gamma: torch.Tensor
     beta: torch.Tensor
+    cache: dict[str, torch.Tensor]
+    buffers: list[torch.Tensor]
+    holders: torch.nn.ModuleList
+    state: torch.nn.Module | None = None
 
 
 def make_params(n: int, seed: int) -> Params:
     generator = torch.Generator().manual_seed(seed)
     w, c = (torch.randn(n, n, generator=generator, dtype=DTYPE) for _ in range(2))
     gamma, beta = (torch.randn(n, generator=generator, dtype=DTYPE) for _ in range(2))
-    return Params(w.requires_grad_(), c, gamma.requires_grad_(), beta.requires_grad_())
+    return Params(
+        w.requires_grad_(),
+        c,
+        gamma.requires_grad_(),
+        beta.requires_grad_(),
+        {},
+        [],
+        torch.nn.ModuleList(),
+    )
 
 
 def _view(t: torch.Tensor, view: str) -> torch.Tensor:
@@ -313,6 +351,59 @@ def _layer_norm(a: torch.Tensor, affine: bool, p: Params) -> torch.Tensor:
     return F.layer_norm(a, (n,), p.gamma, p.beta) if affine else F.layer_norm(a, (n,))
 
 
+def _tolist_branch(a: torch.Tensor, read: str) -> torch.Tensor:
+    if read == "item":
+        first = (a + 1).sum().item()
+    elif read == "numpy":
+        first = float((a + 1).detach().numpy().flat[0])
+    else:
+        first = (a + 1).tolist()
+        while isinstance(first, list):
+            first = first[0]
+    return a.sin() if first > 0 else a.cos()
+
+
+def _split_sizes(a: torch.Tensor, routed: bool, p: Params) -> torch.Tensor:
+    """Rows routed to two experts (``@ w`` and ``sin``), split by sizes read from the data."""
+    route = (a.detach().sum(-1) > 0).long()
+    sizes = torch.bincount(route, minlength=2).tolist()
+    order = torch.argsort(route, stable=True) if routed else None
+    first, second = (a if order is None else a[order]).split(sizes)
+    out = torch.cat([first @ p.w, second.sin()])
+    return out if order is None else out[torch.argsort(order)]
+
+
+def _cached(a: torch.Tensor, how: str, p: Params) -> torch.Tensor:
+    mask = p.cache.get("mask")
+    if mask is None:  # the first call builds it; every later call (and recompute) reuses it
+        n = a.shape[-1]
+        mask = p.cache["mask"] = torch.ones(n, n, dtype=a.dtype).tril()
+    return a.masked_fill(mask == 0, 0.0) if how == "masked_fill" else a * mask
+
+
+def _buffer_update(a: torch.Tensor, how: str, p: Params) -> torch.Tensor:
+    assert p.state is not None
+    with torch.no_grad():
+        p.state.ema.mul_(0.5).add_(a.detach().mean())
+    return a + p.state.ema if how == "add" else a * p.state.ema
+
+
+_INPUT_STEPS: dict[str, Callable[[torch.Tensor, Params], Any]] = {
+    "mul_": lambda v, p: v.mul_(0.5),
+    "add_": lambda v, p: v.add_(1.0),
+    "add_w": lambda v, p: v.add_(p.w),
+    "clamp_": lambda v, p: v.clamp_(-0.5, 0.5),
+}
+
+
+def _inplace_input(a: torch.Tensor, param: tuple[bool, str], p: Params) -> torch.Tensor:
+    """Write to ``a`` itself if ``param`` says so and autograd allows it, else to a clone."""
+    in_place, step = param
+    target = a if in_place and not (a.is_leaf and a.requires_grad) else a.clone()
+    _INPUT_STEPS[step](target, p)
+    return target
+
+
 _OPS: dict[str, Callable[[Sequence[torch.Tensor], Any, Params], torch.Tensor]] = {
     "sin": lambda xs, _, p: torch.sin(xs[0]),
     "exp": lambda xs, _, p: torch.exp(xs[0]),
@@ -335,8 +426,13 @@ _OPS: dict[str, Callable[[Sequence[torch.Tensor], Any, Params], torch.Tensor]] =
     "expand": lambda xs, k, p: xs[0][:, k : k + 1].expand(xs[0].shape),
     "inplace": lambda xs, param, p: _inplace(xs[0], xs[1], param),
     "inner_grad": lambda xs, create_graph, p: _inner_grad(xs[0], create_graph, p),
+    "tolist_branch": lambda xs, read, p: _tolist_branch(xs[0], read),
+    "split_sizes": lambda xs, routed, p: _split_sizes(xs[0], routed, p),
+    "cached": lambda xs, how, p: _cached(xs[0], how, p),
+    "buffer_update": lambda xs, how, p: _buffer_update(xs[0], how, p),
+    "inplace_input": lambda xs, param, p: _inplace_input(xs[0], param, p),
 }
-_ARITY = {kind: 2 if kind in (*BINARY, "inplace") else 1 for kind in KINDS}
+_ARITY = {kind: 2 if kind in (*BINARY, "inplace") else 1 for kind in ALL_KINDS}
 
 Step = Callable[[list[torch.Tensor]], None]
 
@@ -358,6 +454,12 @@ def _compile_one(op: Op | Block, params: Params, wrap: Callable[..., Any]) -> St
         sub = wrap(block)
         return lambda pool: pool.append(sub(*(pool[i] for i in op.args)))
     run = _OPS[op.kind]
+    if op.kind == "buffer_update":  # each such op owns a module with a state buffer
+        holder = torch.nn.Module()
+        holder.register_buffer("ema", params.c.clone())
+        params.holders.append(holder)
+        params.buffers.append(holder.ema)
+        params = params._replace(state=holder)
     return lambda pool: pool.append(run([pool[i] for i in op.args], op.param, params))
 
 
@@ -385,16 +487,46 @@ def build(
 
     ``wrap`` is applied to every `Block` (pass `remat` for nested regions).
     """
+    fn, params, _ = build_with_state(program, wrap)
+    return fn, params
+
+
+def build_with_state(
+    program: Program, wrap: Callable[..., Any] = identity
+) -> tuple[Callable[..., Any], list[torch.Tensor], list[torch.Tensor]]:
+    """`build`, plus the state tensors its buffer_update ops update in place."""
     params = make_params(program.n, program.seed)
     steps = _compile(program.ops, params, wrap)
+    holders = params.holders  # modules `fn` reaches by closure, as a model's
 
     def fn(*args: Any, **kwargs: Any) -> Any:
+        assert holders is not None
         pool = tensor_leaves((args, kwargs))
         for step in steps:
             step(pool)
         return _outputs(program.out, pool, args, kwargs)
 
-    return fn, [params.w, params.gamma, params.beta]
+    return fn, [params.w, params.gamma, params.beta], params.buffers
+
+
+def program_ops(ops: Program | Sequence[Op | Block]) -> list[Op]:
+    """Every `Op` of a program, blocks' bodies included."""
+    found: list[Op] = []
+    for op in ops.ops if isinstance(ops, Program) else ops:
+        found.extend(program_ops(op.body) if isinstance(op, Block) else [op])
+    return found
+
+
+def writes_inputs(program: Program) -> bool:
+    """Whether ``program`` may modify one of its arguments in place (an inplace_input op)."""
+    return any(
+        isinstance(op, Op) and op.kind == "inplace_input" and op.param[0] for op in program.ops
+    )
+
+
+def reads_memory(program: Program) -> bool:
+    """Whether ``program`` reads a tensor's memory directly (``.numpy()``), as torch.func can't."""
+    return any(op.kind == "tolist_branch" and op.param == "numpy" for op in program_ops(program))
 
 
 def _param(draw: st.DrawFn, kind: str, n: int) -> Any:
@@ -410,6 +542,14 @@ def _param(draw: st.DrawFn, kind: str, n: int) -> Any:
         return draw(st.integers(1, n - 1))
     if kind == "expand":
         return draw(st.integers(0, n - 1))
+    if kind == "tolist_branch":
+        return draw(st.sampled_from(READS))
+    if kind == "split_sizes":
+        return draw(st.booleans())
+    if kind == "cached":
+        return draw(st.sampled_from(("masked_fill", "mul")))
+    if kind == "buffer_update":
+        return draw(st.sampled_from(("add", "mul")))
     if kind == "inplace":
         view = draw(st.sampled_from(VIEWS))
         chain = draw(st.lists(st.sampled_from(CHAIN_STEPS), min_size=1, max_size=3))
@@ -432,22 +572,35 @@ def _ops(
     max_ops: int,
     block_depth: int,
     required: tuple[str, ...] = (),
+    writable: bool = True,
 ) -> tuple[Op | Block, ...]:
+    """Ops on a pool of ``size`` values, of which the first ``size`` are the inputs.
+
+    An inplace_input op writes to an input in place only where that is sound for autograd:
+    ``writable`` (not in a block, whose inputs may alias) and no earlier op read it (which
+    could have saved it); otherwise it writes to a clone.
+    """
     count = draw(st.integers(len(required), max(max_ops, len(required))))
     order = draw(st.permutations(range(count)))
     forced = dict(zip(order, required, strict=False))
     choices = (*kinds, "block") if block_depth else kinds
+    inputs, read = size, set()
     ops: list[Op | Block] = []
     for i in range(count):
         kind = forced.get(i) or draw(st.sampled_from(choices))
         if kind == "block":
             arity = draw(st.integers(1, 2))
             args = tuple(_operand(draw, size) for _ in range(arity))
-            body = draw(_ops(n, arity, kinds, 3, block_depth - 1))
+            body = draw(_ops(n, arity, kinds, 3, block_depth - 1, writable=False))
             ops.append(Block(args, body))
+        elif kind == "inplace_input":
+            args = (draw(st.integers(0, inputs - 1)),)
+            step = draw(st.sampled_from(INPUT_STEPS))
+            ops.append(Op(kind, args, (writable and args[0] not in read, step)))
         else:
             args = tuple(_operand(draw, size) for _ in range(_ARITY[kind]))
             ops.append(Op(kind, args, _param(draw, kind, n)))
+        read.update(args)
         size += 1
     return tuple(ops)
 
@@ -477,12 +630,16 @@ def programs(
 
 @dataclasses.dataclass
 class Instance:
-    """A callable with fresh arguments, and every tensor its gradients must reach."""
+    """A callable with fresh arguments, and every tensor its gradients must reach.
+
+    ``state`` holds the closure tensors ``fn`` updates in place (buffer_update's buffers).
+    """
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     targets: list[torch.Tensor]
+    state: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def __call__(self) -> Any:
         return self.fn(*self.args, **self.kwargs)
@@ -501,8 +658,8 @@ class Case:
     ) -> Instance:
         """``outer`` wraps the whole program, ``inner`` each of its blocks."""
         (args, kwargs), targets = realize((self.args, self.kwargs))
-        fn, params = build(self.program, inner)
-        return Instance(outer(fn), args, kwargs, targets + params)
+        fn, params, state = build_with_state(self.program, inner)
+        return Instance(outer(fn), args, kwargs, targets + params, state)
 
 
 @st.composite
@@ -531,6 +688,86 @@ def cases(
         programs(n, count, kinds=kinds, max_ops=max_ops, block_depth=block_depth, required=required)
     )
     return Case(args, kwargs, program)
+
+
+# Policies -------------------------------------------------------------------------------------
+
+aten = torch.ops.aten
+
+# Every kind of policy remat takes, by a name `pytest -k` accepts: the named ones, the objects
+# of `remat.policies`, and their combinations. No program calls `remat.name`, so the name
+# policies decide by op alone: save_names keeps nothing, save_all_but_names everything,
+# both through the per-op machinery (unlike "save_nothing" and "save_everything").
+POLICIES: dict[str, Any] = {
+    "save_nothing": "save_nothing",
+    "save_everything": "save_everything",
+    "save_matmuls": "save_matmuls",
+    "save_matmuls_no_batch": "save_matmuls_no_batch",
+    "save_ops:mm+add": policies.save_ops(aten.mm, aten.add),
+    "save_ops:sin+exp+tanh.default": policies.save_ops(aten.sin, aten.exp, aten.tanh.default),
+    "save_names:h": policies.save_names("h"),
+    "save_all_but_names:h": policies.save_all_but_names("h"),
+    "offload:save_matmuls": policies.offload(policies.save_matmuls),
+    "save_matmuls_or_save_ops:sin": policies.save_matmuls | policies.save_ops(aten.sin),
+    "save_everything_and_save_ops:mm+add": policies.save_everything
+    & policies.save_ops(aten.mm, aten.add),
+    "offload:save_ops:mul_or_save_ops:cat": policies.offload(policies.save_ops(aten.mul))
+    | policies.save_ops(aten.cat),
+}
+
+# Ops the programs run (and a few they don't), for `custom_policies` to decide on.
+POLICY_OPS = (
+    aten.mm,
+    aten.add,
+    aten.sub,
+    aten.mul,
+    aten.div,
+    aten.sin,
+    aten.cos,
+    aten.exp,
+    aten.tanh,
+    aten.sigmoid,
+    aten.cat,
+    aten.clone,
+    aten._softmax,
+    aten.native_layer_norm,
+    aten.masked_fill,
+    aten.index,
+)
+
+
+class CustomPolicy:
+    """A user's policy callable: ``decisions`` for some aten op packets, ``default`` for the rest.
+
+    Not a dataclass, so that hypothesis prints it by its repr.
+    """
+
+    __slots__ = ("decisions", "default")
+
+    def __init__(
+        self, decisions: tuple[tuple[Any, Decision], ...], default: Decision = Decision.RECOMPUTE
+    ) -> None:
+        self.decisions, self.default = decisions, default
+
+    def __call__(self, call: OpCall) -> Decision:
+        packet = getattr(call.op, "overloadpacket", call.op)
+        return next((d for op, d in self.decisions if op == packet), self.default)
+
+    @property
+    def __name__(self) -> str:  # remat's repr of a custom policy is its ``__name__``
+        return repr(self)
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"{str(op).removeprefix('aten.')}={d.name}" for op, d in self.decisions)
+        return f"custom({rules}{', ' if rules else ''}else={self.default.name})"
+
+
+@st.composite
+def custom_policies(draw: st.DrawFn) -> CustomPolicy:
+    """Random per-op policy callables returning `Decision`s; they shrink toward recomputing."""
+    decisions = st.sampled_from(tuple(Decision))
+    table = draw(st.dictionaries(st.sampled_from(POLICY_OPS), decisions, max_size=8))
+    return CustomPolicy(tuple(table.items()), draw(decisions))
 
 
 # Eager autograd modes -------------------------------------------------------------------------
@@ -672,10 +909,12 @@ def scalar_of(out: Any) -> torch.Tensor:
 
 
 @st.composite
-def func_programs(draw: st.DrawFn, *, max_ops: int = 6, block_depth: int = 2) -> Program:
+def func_programs(
+    draw: st.DrawFn, *, max_ops: int = 6, block_depth: int = 2, kinds: tuple[str, ...] = FUNC_KINDS
+) -> Program:
     """Programs of one (n, n) tensor, without ops torch.func cannot run (autograd.grad)."""
     n = draw(st.integers(2, 4))
-    return draw(programs(n, 1, kinds=FUNC_KINDS, max_ops=max_ops, block_depth=block_depth))
+    return draw(programs(n, 1, kinds=kinds, max_ops=max_ops, block_depth=block_depth))
 
 
 def scalar_fn(
