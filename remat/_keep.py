@@ -131,9 +131,12 @@ class Provenance:
         self.made: dict[int, _Made] = {}
         # A recompute's: what the forward made (a tensor it cached, still alive, is that).
         self.earlier = earlier or {}
-        # Tensors standing for others: values saved-tensor hooks hand back, private
-        # copies of module buffers. id -> (ref, what they stand for, version offset).
-        self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int]] = {}
+        # Tensors standing for others: outputs of detach and alias, values saved-tensor
+        # hooks hand back, private copies of module buffers.
+        # id -> (ref, what they stand for, version offset, the op a reader depends on).
+        self.aliases: dict[
+            int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int, int | None]
+        ] = {}
         self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
         self.outside = outside  # shared by a forward and its recomputes: identity, checked
         self.forward = forward
@@ -146,8 +149,8 @@ class Provenance:
             return (made.op, made.position, t._version - made.made_at)
         alias = self.aliases.get(id(t)) if self.aliases else None
         if alias is not None and alias[0]() is t:
-            if reads is not None and isinstance(alias[1][0], int):
-                reads.add(alias[1][0])  # it stands for that op's output
+            if reads is not None and alias[3] is not None:
+                reads.add(alias[3])
             return (*alias[1], t._version + alias[2])
         entry = self.inputs.get(id(t))
         if entry is not None:
@@ -180,15 +183,20 @@ class Provenance:
             return "nan"
         return value
 
-    def alias(self, t: torch.Tensor, descriptor: Any) -> None:
-        """``t`` stands for the value ``descriptor`` describes (at ``t``'s version now)."""
+    def alias(self, t: torch.Tensor, descriptor: Any, op: int | None = None) -> None:
+        """``t`` stands for the value ``descriptor`` describes (at ``t``'s version now).
+
+        A reader of ``t`` depends on ``op`` (by default, the op that made that value).
+        """
         if isinstance(descriptor, tuple):
             *prefix, version = descriptor
-            self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
+            if op is None and isinstance(prefix[0], int):
+                op = prefix[0]
+            self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version, op)
 
     def record(self, func: Any, args: Any, out: Any, index: int) -> None:
         if func in _TRANSPARENT and isinstance(out, torch.Tensor):
-            self.alias(out, self.describe(args[0]))
+            self.alias(out, self.describe(args[0]), op=index)  # readers need this op to run
             return
         for position, t in enumerate(_outputs(out)):
             self.made[id(t)] = _Made(weakref.ref(t), index, position, t._version)
