@@ -131,12 +131,9 @@ class Provenance:
         self.made: dict[int, _Made] = {}
         # A recompute's: what the forward made (a tensor it cached, still alive, is that).
         self.earlier = earlier or {}
-        # Tensors standing for others: outputs of detach and alias, values saved-tensor
-        # hooks hand back, private copies of module buffers.
-        # id -> (ref, what they stand for, version offset, the op a reader depends on).
-        self.aliases: dict[
-            int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int, int | None]
-        ] = {}
+        # Tensors standing for others: values saved-tensor hooks hand back, private
+        # copies of module buffers. id -> (ref, what they stand for, version offset).
+        self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int]] = {}
         self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
         self.outside = outside  # shared by a forward and its recomputes: identity, checked
         self.forward = forward
@@ -149,8 +146,8 @@ class Provenance:
             return (made.op, made.position, t._version - made.made_at)
         alias = self.aliases.get(id(t)) if self.aliases else None
         if alias is not None and alias[0]() is t:
-            if reads is not None and alias[3] is not None:
-                reads.add(alias[3])
+            if reads is not None and isinstance(alias[1][0], int):
+                reads.add(alias[1][0])  # it stands for that op's output
             return (*alias[1], t._version + alias[2])
         entry = self.inputs.get(id(t))
         if entry is not None:
@@ -183,20 +180,15 @@ class Provenance:
             return "nan"
         return value
 
-    def alias(self, t: torch.Tensor, descriptor: Any, op: int | None = None) -> None:
-        """``t`` stands for the value ``descriptor`` describes (at ``t``'s version now).
-
-        A reader of ``t`` depends on ``op`` (by default, the op that made that value).
-        """
+    def alias(self, t: torch.Tensor, descriptor: Any) -> None:
+        """``t`` stands for the value ``descriptor`` describes (at ``t``'s version now)."""
         if isinstance(descriptor, tuple):
             *prefix, version = descriptor
-            if op is None and isinstance(prefix[0], int):
-                op = prefix[0]
-            self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version, op)
+            self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
 
     def record(self, func: Any, args: Any, out: Any, index: int) -> None:
         if func in _TRANSPARENT and isinstance(out, torch.Tensor):
-            self.alias(out, self.describe(args[0]), op=index)  # readers need this op to run
+            self.alias(out, self.describe(args[0]))
             return
         for position, t in enumerate(_outputs(out)):
             self.made[id(t)] = _Made(weakref.ref(t), index, position, t._version)
