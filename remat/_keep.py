@@ -32,7 +32,7 @@ from . import _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
-__all__ = ["Keeper", "Replayer", "Restart", "storage_key"]
+__all__ = ["Keeper", "Replayer", "Restart"]
 
 
 class Restart(BaseException):
