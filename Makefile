@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEPS := $(VENV)/.deps
 PKG := $(VENV)/.pkg
 
-.PHONY: demo test bench docs clean
+.PHONY: demo test fuzz bench docs clean
 
 $(DEPS): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: $(PKG)
 	$(BIN)/pytest -n 2 tests
 	$(BIN)/pytest --doctest-modules --pyargs remat --nbmake notebooks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# The property tests with fresh examples, REMAT_FUZZ times as many (test draws fixed ones).
+fuzz: $(PKG)
+	REMAT_FUZZ=$${REMAT_FUZZ:-10} $(BIN)/pytest -n 2 -p no:cacheprovider tests/test_equivalence.py \
+		tests/test_policy_equivalence.py tests/test_func.py
 
 # The benchmark suite (about 4 minutes on 2 cores); results land in the docs.
 bench: $(PKG)

@@ -435,9 +435,12 @@ class Region:
                 call = self._tree_map(lambda x: swap.get(id(x), x), call)
                 tensors = replant.inputs
             replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
-            for copy, original, version in copies:
-                if replayer is not None:
+            if replayer is not None:
+                for copy, original, version in copies:
                     replayer.stand_in(copy, original, version)
+                for original, twin in replant.twins if replant is not None else ():
+                    if twin is not original:
+                        replayer.stand_in(twin, original, original._version)
             pack = _RecomputePack(self, needed, trace, replayer, producers=replant is None)
             stack.enter_context(_torch_private.region_running((None, pack, _identity, False)))
             stack.enter_context(_autocast(self.autocast))

@@ -160,7 +160,7 @@ class Levels:
                 for t, wrapping in zip(inputs, self.inputs, strict=True)
             ]
             closures = {
-                key: (t, _Rewrap(t, *wrapping, replant.dead))
+                key: (_Rewrap(t, *wrapping, replant.dead), t)
                 for key, (t, wrapping) in self.closures.items()
             }
             for desc in self.stack[alive:]:
@@ -181,10 +181,18 @@ class Levels:
                         f"the region outside `{kind.lower()}`, or run the backward inside it."
                     )
                 replant.recreated.append((level, kind, new))
-                for rewrap in [*rewraps, *(r for _, r in closures.values())]:
+                for rewrap in [*rewraps, *(r for r, _ in closures.values())]:
                     rewrap.at(level, kind, new)
             replant.inputs = [rewrap.value for rewrap in rewraps]
-            replant.known.update({key: (t, r.value) for key, (t, r) in closures.items()})
+            replant.twins = [
+                (tp.unwrap_all(old), tp.unwrap_all(new))
+                for rewrap, itself in [
+                    *((r, False) for r in rewraps),  # inputs have their own provenance
+                    *((r, True) for r, _ in closures.values()),
+                ]
+                for old, new in rewrap.twins(itself)
+            ]
+            replant.known.update({key: (t, r.value) for key, (r, t) in closures.items()})
             if replant.known or any(kind == "Grad" for _, kind, _ in replant.recreated):
                 stack.enter_context(_ClosureMode(replant))
             yield replant
@@ -204,12 +212,20 @@ class _Rewrap:
             if level not in dead:
                 break
             t = tp.unwrap(t)
-        self.value = t
+        self.original, self.value = t, t
         self.outer = {level: (bdim, requires_grad) for level, bdim, requires_grad in chain}
         self.tangents = {
             level: None if tangent is None else _Rewrap(*tangent, dead)
             for level, tangent in tangents.items()
         }
+
+    def twins(self, itself: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(The forward's tensor, its twin) for its tangents at any depth, and itself."""
+        if itself:
+            yield self.original, self.value
+        for tangent in self.tangents.values():
+            if tangent is not None:
+                yield from tangent.twins()
 
     def at(self, level: int, kind: str, new: int) -> None:
         """Wrap the value as the forward's level ``level`` did, at its re-created twin ``new``."""
@@ -239,6 +255,8 @@ class Replant:
         self.recreated: list[tuple[int, str, int]] = []
         self.dead = dead
         self.inputs: list[torch.Tensor] = []
+        # Plain (forward's, twin's) pairs of tangents and closures: equal values, new objects.
+        self.twins: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Tensors read by closure, by id: (the forward's, its twin at the re-created levels).
         self.known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

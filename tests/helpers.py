@@ -11,17 +11,29 @@ import collections
 import dataclasses
 import functools
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.nn.functional as F
+from hypothesis import settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import policies
 from remat.policies import Decision, OpCall
+
+# `make test` draws the same examples on every run, so CI cannot turn red by chance;
+# `make fuzz` (REMAT_FUZZ=n) draws fresh ones, n times as many.
+FUZZ = int(os.environ.get("REMAT_FUZZ", "0"))
+
+
+def examples(n: int) -> settings:
+    """Hypothesis settings for ``n`` examples (``n * REMAT_FUZZ`` fresh ones when fuzzing)."""
+    return settings(max_examples=n * max(FUZZ, 1), deadline=None, derandomize=not FUZZ)
+
 
 DTYPE = torch.float64
 NAMESPACE = "remat-tests"

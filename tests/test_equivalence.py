@@ -10,7 +10,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from remat import remat
@@ -30,6 +30,7 @@ from tests.helpers import (
     assert_tree_equal,
     build,
     cases,
+    examples,
     func_programs,
     identity,
     programs,
@@ -38,8 +39,8 @@ from tests.helpers import (
     spec_trees,
 )
 
-FEW = settings(max_examples=15, deadline=None)
-SOME = settings(max_examples=30, deadline=None)
+FEW = examples(15)
+SOME = examples(30)
 MODES = tuple(EAGER_MODES)
 # Known failures, replayed on every run. relu_ on a view of an intermediate: the double
 # backward unpacks one saved value twice.

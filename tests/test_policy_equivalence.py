@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from remat import RecomputeError, remat
@@ -35,6 +35,7 @@ from tests.helpers import (
     assert_tree_equal,
     cases,
     custom_policies,
+    examples,
     func_programs,
     reads_memory,
     scalar_fn,
@@ -42,9 +43,9 @@ from tests.helpers import (
 )
 
 # Budget: the whole file runs in about 30 s with -n 2 on 2 cores when every example runs.
-FEW = settings(max_examples=10, deadline=None)
-MORE = settings(max_examples=15, deadline=None)  # the eager mode is drawn too
-SOME = settings(max_examples=20, deadline=None)
+FEW = examples(10)
+MORE = examples(15)  # the eager mode is drawn too
+SOME = examples(20)
 MODES = tuple(EAGER_MODES)
 FUNC_STACKS = tuple(FUNC_EFFECT_KINDS)  # grad, vmap_grad
 # torch.func runs none of inner_grad (autograd.grad), buffer_update (it mutates a captured
