@@ -430,14 +430,18 @@ class Region:
             call, tensors = self._inputs()
             replant = stack.enter_context(self.levels.restore(tensors))
             copies = stack.enter_context(self.modules.pinned()) if self.modules else []
+            swap = {}
             if replant is not None:
                 swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
+            swap.update((id(original), copy) for copy, original, _ in copies)
+            if swap:
                 call = self._tree_map(lambda x: swap.get(id(x), x), call)
-                tensors = replant.inputs
+                tensors = [swap.get(id(t), t) for t in tensors]
             replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
             if replayer is not None:
                 for copy, original, version in copies:
-                    replayer.stand_in(copy, original, version)
+                    if id(original) not in self.inputs:
+                        replayer.stand_in(copy, original, version)
                 for original, twin in replant.twins if replant is not None else ():
                     if twin is not original:
                         replayer.stand_in(twin, original, original._version)

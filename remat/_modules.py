@@ -12,8 +12,13 @@ and records, for each parameter and buffer slot, the tensor it held at entry.
   statistics without a version bump); the
   recompute runs on a private copy of the snapshot, so it reads what the forward
   read, and the live buffer keeps the forward's update (applied once).
-  Every buffer of a module is snapshotted the first time a region sees it;
-  after that, only those a region's forward has updated.
+  Every buffer of a module is snapshotted the first time a region sees it in
+  training (and in eval) mode; after that, only those a forward has updated.
+- A region input that does not require grad is treated the same way: kernels
+  that write without a version bump (``F.batch_norm`` with running statistics
+  passed as arguments) update it once, and the recompute reads a private copy.
+  Every such input is snapshotted the first time a region runs a module (or a
+  function's code); after that, only those positions a forward updated.
 - A slot whose tensor the forward itself replaced (a module assigning a new
   buffer) or that FSDP2 manages (it re-gathers parameters for the recompute) is
   left alone.
@@ -30,12 +35,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from . import _torch_private
 from ._errors import RecomputeError
 
 __all__ = ["ModuleState", "reachable_modules"]
 
-# Per module: names of its tensors some region's forward updated in place.
-_UPDATED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+# Per module (or what learns about a region's inputs, see `_owner`) and training flag:
+# names of its tensors some region's forward updated in place. By flag, as batch
+# norm updates its statistics in training only.
+_UPDATED: weakref.WeakKeyDictionary[Any, dict[bool | None, set[str]]] = weakref.WeakKeyDictionary()
+
+
+def _learned(owner: Any) -> set[str] | None:
+    return _UPDATED.get(owner, {}).get(getattr(owner, "training", None))
+
+
+def _learning(owner: Any) -> set[str]:
+    flag = getattr(owner, "training", None)
+    return _UPDATED.setdefault(owner, {}).setdefault(flag, set())
 
 
 def _fsdp_module_type() -> type | None:
@@ -77,9 +94,22 @@ def _callable_parts(fn: Any) -> list[Any]:
     return [p for p in parts if p is not None and not isinstance(p, type)]
 
 
+def _owner(fn: Callable[..., Any]) -> Any:
+    """What learns which inputs a region's forward updates: the module it runs, else its code.
+
+    Not the `remat` wrapper: ``remat(layer)(x)`` makes a new one at every call.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    bound = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(bound, nn.Module):
+        return bound
+    return getattr(getattr(fn, "__func__", fn), "__code__", type(fn))
+
+
 class _Slot(NamedTuple):
-    module: nn.Module
-    table: dict[str, Any]
+    module: Any  # an nn.Module, or what learns about a region's inputs (see `_owner`)
+    table: dict[str, Any] | None  # None for an input
     name: str
     tensor: torch.Tensor
     version: int
@@ -98,12 +128,23 @@ class ModuleState:
         self.lost: list[_Slot] = []  # updated by the forward, with no snapshot
 
     @classmethod
-    def capture(cls, fn: Callable[..., Any], leaves: list[Any]) -> ModuleState | None:
+    def capture(
+        cls, fn: Callable[..., Any], leaves: list[Any], inputs: list[torch.Tensor]
+    ) -> ModuleState | None:
         modules = reachable_modules(fn, leaves)
-        if not modules:
-            return None
         slots: list[_Slot] = []
         snapshots: dict[int, torch.Tensor] = {}
+        owner = _owner(fn)
+        learned = _learned(owner)
+        for i, x in enumerate(inputs):
+            name = f"input {i}"
+            if x.requires_grad or (learned is not None and name not in learned):
+                continue
+            if _torch_private.unwrap_all(x) is x:  # not under torch.func
+                snapshots[len(slots)] = x.detach().clone()
+                slots.append(_Slot(owner, None, name, x, x._version))
+        if not modules and not slots:
+            return None
         generators: list[Any] = []
         seen: set[int] = set()
         for module in modules:
@@ -115,7 +156,7 @@ class ModuleState:
                 if _FSDP is not None and isinstance(sub, _FSDP):
                     seen.update(id(m) for m in sub.modules())
                     continue
-                updated = _UPDATED.get(sub)
+                updated = _learned(sub)
                 for table in (sub._parameters, sub._buffers):
                     for name, t in table.items():
                         if t is None:
@@ -131,13 +172,14 @@ class ModuleState:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.ended = [slot.tensor._version for slot in self.slots]
         for i, slot in enumerate(self.slots):
-            updated = _UPDATED.setdefault(slot.module, set())
+            updated = _learning(slot.module)
             snapshot = self.snapshots.get(i)
             # Some kernels (batch norm's running statistics) write without a version bump.
             same = self.ended[i] == slot.version and (
                 snapshot is None or torch.equal(snapshot, slot.tensor)
             )
-            if same or slot.table.get(slot.name) is not slot.tensor:
+            replaced = slot.table is not None and slot.table.get(slot.name) is not slot.tensor
+            if same or replaced:
                 self.snapshots.pop(i, None)
                 continue
             updated.add(slot.name)
@@ -148,7 +190,8 @@ class ModuleState:
     def pinned(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
         """Within the block, every slot shows what the forward read from it.
 
-        Yields the private copies it put in: (copy, the forward's tensor, its version then).
+        Yields the private copies, (copy, the forward's tensor, its version then): it
+        puts those of module slots in; the region passes those of its inputs.
         """
         for slot in self.lost:
             raise RecomputeError(
@@ -162,14 +205,17 @@ class ModuleState:
         swaps: list[tuple[dict[str, Any], str, Any]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i, slot in enumerate(self.slots):
-            current = slot.table.get(slot.name)
             snapshot = self.snapshots.get(i)
             if snapshot is not None:
                 with torch.no_grad():
                     copy = snapshot.clone()
-                swaps.append((slot.table, slot.name, copy))
+                if slot.table is not None:
+                    swaps.append((slot.table, slot.name, copy))
                 copies.append((copy, slot.tensor, slot.version))
                 continue
+            if slot.table is None:  # an input: the region checks its version itself
+                continue
+            current = slot.table.get(slot.name)
             if self.ended and self.ended[i] == slot.version and current is not slot.tensor:
                 swaps.append((slot.table, slot.name, slot.tensor))
             if slot.tensor._version != (self.ended[i] if self.ended else slot.version):

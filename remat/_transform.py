@@ -133,7 +133,7 @@ def remat(
             namespace=namespace,
         )
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        modules = ModuleState.capture(fn, leaves)
+        modules = ModuleState.capture(fn, leaves, inputs)
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []

@@ -45,27 +45,11 @@ POLICIES = {
 each_policy = pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 
 # Open items of issue 11, documented in docs/limitations.md. Strict: each fails CI once fixed.
-OPEN_INPUT_UPDATED_BY_KERNEL = pytest.mark.xfail(
-    strict=True,
-    reason="a region input updated by a kernel without a version bump (F.batch_norm's running "
-    "statistics passed as arguments) is updated again by the recompute",
-)
 OPEN_THREADS = pytest.mark.xfail(
     strict=True,
     reason="a region's RNG state is read around its forward: another thread's draws in between "
     "shift what its recompute replays",
 )
-
-
-def _open_subclass(policy):
-    return pytest.param(
-        policy,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="under a per-op policy, a tensor subclass's re-wrapped outputs are not "
-            "matched to the ops that made them; the recompute raises RecomputeError",
-        ),
-    )
 
 
 def _randn(seed, *shape, requires_grad=True):
@@ -284,24 +268,33 @@ def _train(model, forward, steps=3):
     return history, {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _evaluated_first(model, forward):
+    """One step in eval mode (a sanity check before training), then training."""
+    model.eval()
+    with_eval = forward(_randn(9, 5, 4, requires_grad=False))
+    model.train()
+    return with_eval, _train(model, forward)
+
+
+@pytest.mark.parametrize("run", [_train, _evaluated_first], ids=["train", "eval_then_train"])
 @pytest.mark.parametrize("make", MODELS.values(), ids=MODELS.keys())
 @each_policy
-def test_module_state_updated_in_forward_matches_plain(policy, make):
+def test_module_state_updated_in_forward_matches_plain(policy, make, run):
     """BatchNorm, spectral_norm, an EMA buffer: 3 training steps give plain's grads and state."""
     torch.manual_seed(0)
     model = make().double().train()
     plain, kept = copy.deepcopy(model), copy.deepcopy(model)
-    expected = _train(plain, plain)
-    assert_tree_equal(_train(kept, remat(kept, policy=policy)), expected)
+    expected = run(plain, plain)
+    assert_tree_equal(run(kept, remat(kept, policy=policy)), expected)
 
 
 def _functional_batch_norm(x, w, b, mean, var, w2):
     return F.batch_norm(x, mean, var, w, b, training=True).tanh() @ w2
 
 
-@OPEN_INPUT_UPDATED_BY_KERNEL
+@pytest.mark.parametrize("wrapper", ["once", "each_step"])
 @each_policy
-def test_functional_batch_norm_updates_running_stats_once(policy):
+def test_functional_batch_norm_updates_running_stats_once(policy, wrapper):
     """F.batch_norm with running buffers as arguments updates them once per step, as plain."""
 
     def run(wrap):
@@ -311,6 +304,8 @@ def test_functional_batch_norm_updates_running_stats_once(policy):
         history = []
         for step in range(3):
             x = _randn(10 + step, 5, 4)
+            if wrapper == "each_step":
+                f = wrap(_functional_batch_norm)
             out = f(x, w, b, mean, var, w2)
             out.sin().sum().backward()
             history.append((out, _grads([x, w, b, w2]), mean.clone(), var.clone()))
@@ -583,11 +578,7 @@ class _Sub(torch.Tensor):
 
 
 @each_block
-@pytest.mark.parametrize(
-    "policy",
-    [p if k == "save_nothing" else _open_subclass(p) for k, p in POLICIES.items()],
-    ids=POLICIES.keys(),
-)
+@each_policy
 def test_trivial_tensor_subclass_input(policy, block, shape):
     """A trivial torch.Tensor subclass input gives plain's outputs and gradients."""
 
