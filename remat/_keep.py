@@ -119,7 +119,7 @@ class _Made(NamedTuple):
 class Provenance:
     """Where the tensors an op reads come from, for signatures (one per forward or recompute)."""
 
-    __slots__ = ("aliases", "earlier", "forward", "inputs", "made", "outside")
+    __slots__ = ("aliases", "earlier", "forward", "inputs", "made", "outside", "shared")
 
     def __init__(
         self,
@@ -137,6 +137,12 @@ class Provenance:
         self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
         self.outside = outside  # shared by a forward and its recomputes: identity, checked
         self.forward = forward
+        # Made tensors by storage and layout, once a tensor subclass that re-wraps outputs
+        # (as `as_subclass` aliases, which no dispatch mode sees) is met: such an alias
+        # describes as the tensor it aliases. key -> (storage ref, prefix, version offset).
+        self.shared: dict[Any, tuple[weakref.ref[Any], tuple[Any, ...], int]] | None = (
+            {} if any(map(_torch_private.rewraps_outputs, inputs)) else None
+        )
 
     def describe(self, t: torch.Tensor, reads: set[int] | None = None) -> Any:
         made = self.made.get(id(t))
@@ -157,6 +163,12 @@ class Provenance:
             return (made.op, made.position, t._version - made.made_at)
         ref = self.outside.get(id(t))
         if ref is None or ref() is not t:
+            if self.shared is not None or _torch_private.rewraps_outputs(t):
+                shared = self._shared(t)
+                if shared is not None:
+                    if reads is not None and isinstance(shared[0], int):
+                        reads.add(shared[0])
+                    return shared
             if not self.forward:
                 return ("unknown", id(t))  # equal to nothing the forward recorded
             self.outside[id(t)] = weakref.ref(t)
@@ -192,6 +204,27 @@ class Provenance:
             return
         for position, t in enumerate(_outputs(out)):
             self.made[id(t)] = _Made(weakref.ref(t), index, position, t._version)
+            if self.shared is not None and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                entry = (weakref.ref(storage), (index, position), -t._version)
+                self.shared[_layout_key(t, storage)] = entry
+
+    def _shared(self, t: torch.Tensor) -> Any:
+        """An alias of a made tensor by storage and layout (seen first: start indexing)."""
+        if self.shared is None:
+            self.shared = {}
+            return None
+        if t.layout != torch.strided:
+            return None
+        storage = t.untyped_storage()
+        entry = self.shared.get(_layout_key(t, storage))
+        if entry is None or entry[0]() is not storage:
+            return None
+        return (*entry[1], t._version + entry[2])
+
+
+def _layout_key(t: torch.Tensor, storage: Any) -> Any:
+    return (id(storage), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 class _Shape(NamedTuple):

@@ -44,6 +44,7 @@ __all__ = [
     "running_regions",
     "requiring_grad",
     "saved_tensors_hooks_enabled",
+    "rewraps_outputs",
 ]
 
 
@@ -355,3 +356,17 @@ def add_batch_dim(t: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
 def wrapper_level(t: torch.Tensor) -> int:
     """Level of the outermost wrapper of ``t``: -1 for a plain tensor, -2 if dead."""
     return int(_F.maybe_get_level(t))
+
+
+def rewraps_outputs(t: torch.Tensor) -> bool:
+    """Whether ``t``'s type re-wraps op outputs in its ``__torch_function__``.
+
+    ``torch.Tensor``'s own ``__torch_function__`` converts outputs with
+    ``as_subclass``, an alias no dispatch mode sees; types that opt out (``Parameter``)
+    set it to this private sentinel, which has no public name.
+    """
+    cls = type(t)
+    return cls is not torch.Tensor and cls.__torch_function__ is not _NO_TORCH_FUNCTION
+
+
+_NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl

@@ -398,3 +398,16 @@ def test_functorch_cleared_runs_outside_every_level():
     assert seen == {"inside": [], "plain": -1, "after": 2}
     with tp.functorch_cleared():
         assert tp.functorch_interpreters() == []
+
+
+def test_rewraps_outputs_tells_subclasses_that_convert_outputs():
+    """Plain tensors and Parameters do not re-wrap op outputs; a plain subclass does."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    t = torch.ones(2)
+    assert not tp.rewraps_outputs(t)
+    assert not tp.rewraps_outputs(torch.nn.Parameter(t))
+    assert tp.rewraps_outputs(t.as_subclass(Sub))
+    assert type(t.as_subclass(Sub).sin()) is Sub  # what makes remat index by storage
