@@ -78,7 +78,7 @@ class OpMode(TorchDispatchMode):
         if not is_random(func):
             return func(*args, **kwargs)
         if self.capture is not None:
-            self.capture.before(args, kwargs)
+            return self.capture.call(func, args, kwargs)
         if self.replay is not None:
             return self.replay.call(func, args, kwargs)
         return func(*args, **kwargs)

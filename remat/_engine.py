@@ -34,7 +34,7 @@ from ._errors import (
 from ._keep import Keeper, Replayer, Restart
 from ._modules import ModuleState
 from ._policies import Policy
-from ._rng import RngCapture, RngLend
+from ._rng import RngCapture, RngLend, threaded
 
 __all__ = ["Region", "running_region"]
 
@@ -194,10 +194,12 @@ class Region:
         self.levels = _functorch.Levels.capture(inputs)
         self.mode: OpMode | None = None  # the forward's, while it runs
         self.running = False  # whether the forward runs
+        # Other threads may draw from the shared generators: capture per random op.
+        self.threaded = preserve_rng and threaded()
 
     def moded(self) -> bool:
         """Whether the forward and every recompute run under remat's dispatch mode."""
-        return self.keeper is not None or self.trace is not None
+        return self.keeper is not None or self.trace is not None or self.threaded
 
     # The forward.
 
@@ -423,8 +425,10 @@ class Region:
         """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
         rng = self.rng
-        replay = rng.replay() if rng is not None and self.moded() else None
-        lend = RngLend(rng.lendable()) if rng is not None and not self.moded() else None
+        # Lending states to shared generators is safe only while no other thread draws.
+        moded = self.moded() or (rng is not None and threaded())
+        replay = rng.replay() if rng is not None and moded else None
+        lend = RngLend(rng.lendable()) if rng is not None and not moded else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             call, tensors = self._inputs()
@@ -455,7 +459,7 @@ class Region:
                 stack.enter_context(lend)
             if replay is not None:
                 stack.enter_context(replay)
-            if self.moded():
+            if moded:
                 stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
             try:
                 self.fn(*call[0], **call[1])

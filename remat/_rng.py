@@ -5,16 +5,22 @@ forward and its recompute run under the same dispatch setup (composite ops such
 as ``reshape`` decompose differently under a Python dispatch mode), so there are
 two ways:
 
-- With remat's dispatch mode (per-op policies, `remat.debug`), the state is
-  copied just before the first random op that uses the generator, and the
-  recompute runs each random op on a private clone made from it; a random op on
-  a generator the forward did not draw from raises.
+- With remat's dispatch mode (per-op policies, `remat.debug`, and any region
+  whose forward starts while other threads are alive), each random op draws
+  from a private generator set to the shared one's state, which is then moved
+  on past the draw; the state is kept per op. The recompute runs each random op
+  on a private clone set to that op's state. Other threads drawing in between
+  cannot shift what a region draws or replays. A random op on a generator the
+  forward did not draw from, or one op too many, raises.
 - Without it, the default generators (CPU, and CUDA devices in use) and the
   explicit generators the region can see are read before the forward, and a
   state is kept only if it changed. The recompute lends each kept state to its
-  generator and gives the caller's state back when it ends.
+  generator and gives the caller's state back when it ends; when other threads
+  are alive by then, it replays on private clones instead (under the mode).
 
 Either way the caller's generators end where plain autograd leaves them.
+Threads that draw outside remat regions are not synchronized with: one that
+draws while a region's random op runs may draw the same numbers.
 """
 
 from __future__ import annotations
@@ -27,10 +33,17 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
 
-__all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "visible_generators"]
+__all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "threaded", "visible_generators"]
 
 _RANDOM: dict[Any, bool] = {}
 _local = threading.local()
+# Held while a region's random op draws: regions in other threads wait, not interleave.
+_DRAWING = threading.RLock()
+
+
+def threaded() -> bool:
+    """Whether other threads are alive, which may draw from the shared generators."""
+    return threading.active_count() > 1
 
 
 def is_random(func: Any) -> bool:
@@ -155,21 +168,48 @@ def _initial_state(generator: torch.Generator) -> torch.Tensor:
     return fresh.get_state()
 
 
+def _draw(func: Any, args: Any, kwargs: Any, generator: torch.Generator, private: Any) -> Any:
+    """Run random op ``func`` (whose generator is ``generator``) on ``private`` instead."""
+    if any(arg.name == "generator" for arg in func._schema.arguments):
+        return func(*args, **{**kwargs, "generator": private})
+    # No `generator=` in the schema (CUDA's fused native_dropout): lend the private
+    # state to the default generator for this one op.
+    caller_state = generator.get_state()
+    generator.set_state(private.get_state())
+    try:
+        out = func(*args, **kwargs)
+        private.set_state(generator.get_state())
+    finally:
+        generator.set_state(caller_state)
+    return out
+
+
 class RngCapture:
     """Generator states a region consumed, as values."""
 
-    __slots__ = ("cuda_ready", "snapshot", "states")
+    __slots__ = ("cuda_ready", "draws", "snapshot", "states")
 
     def __init__(self) -> None:
-        self.states: dict[torch.Generator, torch.Tensor] = {}
+        self.states: dict[torch.Generator, torch.Tensor] = {}  # the first state drawn from
+        self.draws: dict[torch.Generator, list[torch.Tensor]] = {}  # per random op (mode)
         self.snapshot: list[tuple[torch.Generator, torch.Tensor]] = []
         self.cuda_ready = True
 
-    def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Under a dispatch mode: capture the generator of a random op about to run."""
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Under a dispatch mode: run a random op on a private generator, keeping its state."""
         generator = _op_generator(args, kwargs)
-        if generator is not None and generator not in self.states:
-            self.states[generator] = _active(generator).get_state()
+        if generator is None:
+            return func(*args, **kwargs)
+        with _DRAWING:
+            active = _active(generator)
+            state = active.get_state()
+            private = torch.Generator(device=active.device)
+            private.set_state(state)
+            out = _draw(func, args, kwargs, generator, private)
+            active.set_state(private.get_state())
+        self.states.setdefault(generator, state)
+        self.draws.setdefault(generator, []).append(state)
+        return out
 
     def start(self, visible: list[torch.Generator]) -> None:
         """Without a dispatch mode: read every generator the region may draw from."""
@@ -195,12 +235,14 @@ class RngCapture:
         return dict(self.snapshot) if self.snapshot else self.states
 
     def replay(self) -> RngReplay:
-        clones = {}
-        for generator, state in self.states.items():
+        clones, draws = {}, {}
+        for generator, state in self.lendable().items():
             clone = torch.Generator(device=generator.device)
             clone.set_state(state)
             clones[generator] = clone
-        return RngReplay(clones)
+            if generator in self.draws:
+                draws[clone] = list(reversed(self.draws[generator]))
+        return RngReplay(clones, draws)
 
 
 class RngLend(TorchFunctionMode):
@@ -247,12 +289,21 @@ class RngLend(TorchFunctionMode):
 
 
 class RngReplay:
-    """Runs random ops of one recompute on clones of the forward's generators."""
+    """Runs random ops of one recompute on clones of the forward's generators.
 
-    __slots__ = ("clones",)
+    A clone is set to each op's own state where the forward kept them per op, and
+    otherwise draws on from where the forward started.
+    """
 
-    def __init__(self, clones: dict[torch.Generator, torch.Generator]) -> None:
+    __slots__ = ("clones", "draws")
+
+    def __init__(
+        self,
+        clones: dict[torch.Generator, torch.Generator],
+        draws: dict[torch.Generator, list[torch.Tensor]],
+    ) -> None:
         self.clones = clones
+        self.draws = draws  # clone -> the states of the forward's ops, last first
 
     def __enter__(self) -> RngReplay:
         if not hasattr(_local, "replays"):
@@ -277,16 +328,13 @@ class RngReplay:
                 "explicit `torch.Generator` to the function as an argument (or keep it in a "
                 "closure, a global the function names, or a module attribute)."
             )
-        if any(arg.name == "generator" for arg in func._schema.arguments):
-            return func(*args, **{**kwargs, "generator": clone})
-        # No `generator=` in the schema (CUDA's fused native_dropout): lend the
-        # clone's state to the default generator for this one op.
-        assert generator is not None
-        caller_state = generator.get_state()
-        generator.set_state(clone.get_state())
-        try:
-            out = func(*args, **kwargs)
-            clone.set_state(generator.get_state())
-        finally:
-            generator.set_state(caller_state)
-        return out
+        states = self.draws.get(clone)
+        if states is not None:
+            if not states:
+                raise RecomputeError(
+                    f"`remat`: the recompute's {func} is one random op more than the forward "
+                    f"drew from its generator ({generator.device}). `fn` must run the same "
+                    "random ops each time it is called."
+                )
+            clone.set_state(states.pop())
+        return _draw(func, args, kwargs, generator, clone)

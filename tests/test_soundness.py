@@ -45,11 +45,6 @@ POLICIES = {
 each_policy = pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 
 # Open items of issue 11, documented in docs/limitations.md. Strict: each fails CI once fixed.
-OPEN_THREADS = pytest.mark.xfail(
-    strict=True,
-    reason="a region's RNG state is read around its forward: another thread's draws in between "
-    "shift what its recompute replays",
-)
 
 
 def _randn(seed, *shape, requires_grad=True):
@@ -499,7 +494,6 @@ def _exact_inputs(seed):
     return x.requires_grad_(), w.requires_grad_()
 
 
-@OPEN_THREADS
 @each_policy
 def test_threads_with_dropout_match_their_own_masks(policy):
     """4 threads x 30 dropout forward+backward: each gradient follows its own forward's mask."""
