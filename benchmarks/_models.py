@@ -1,4 +1,4 @@
-"""A small GPT-style decoder for the benchmarks, with a hook that checkpoints each block.
+"""Small GPT- and Llama-style decoders for the benchmarks, with a hook that checkpoints each block.
 
 Every way of checkpointing is a `Checkpoint`: a function that takes a block (a callable
 from activations to activations) and returns a callable that computes the same thing.
@@ -22,6 +22,7 @@ import remat
 
 __all__ = [
     "GPT",
+    "Llama",
     "Checkpoint",
     "GPTConfig",
     "checkpoint_modes",
@@ -30,7 +31,7 @@ __all__ = [
     "torch_checkpoint",
 ]
 
-Block = Callable[[Tensor], Tensor]
+Block = Callable[..., Tensor]
 Checkpoint = Callable[[Block], Block]
 
 
@@ -132,6 +133,78 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy."""
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, rotary attention through SDPA, RMSNorm, SwiGLU MLP; no biases, no dropout.
+
+    The rotary tables come in as arguments, as in Hugging Face's Llama.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        width, hidden = config.width, 8 * config.width // 3
+        self.heads = config.heads
+        self.norm1, self.norm2 = RMSNorm(width), RMSNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, width = x.shape
+        h = self.norm1(x)
+        q, k, v = (
+            p(h).view(batch, seq, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(batch, seq, width))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Token embeddings, Llama blocks sharing one rotary table, final RMSNorm, LM head."""
+
+    def __init__(self, config: GPTConfig, checkpoint: Checkpoint = no_checkpoint) -> None:
+        super().__init__()
+        self.config = config
+        self.checkpoint = checkpoint
+        self.tokens = nn.Embedding(config.vocab, config.width)
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.blocks))
+        self.norm = RMSNorm(config.width)
+        self.head = nn.Linear(config.width, config.vocab, bias=False)
+        dim = config.width // config.heads
+        inverse = 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim)
+        angles = torch.outer(torch.arange(config.seq).float(), inverse).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        seq = tokens.shape[1]
+        x, cos, sin = self.tokens(tokens), self.cos[:seq], self.sin[:seq]
+        for block in self.blocks:
+            x = self.checkpoint(block)(x, cos, sin)
+        return self.head(self.norm(x))
+
+    loss = GPT.loss
 
 
 def checkpoint_modes() -> dict[str, Checkpoint]:

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
 
 import remat
 
-from ._models import GPT, Block, Checkpoint, GPTConfig, checkpoint_modes, make_batches
+from ._models import GPT, Block, Checkpoint, GPTConfig, Llama, checkpoint_modes, make_batches
 from .demo import _bytes, _table
 
 aten = torch.ops.aten
@@ -135,11 +135,17 @@ def _interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, warmup
 
 
 def gpt_workload(
-    name: str, config: GPTConfig, batch: int, rounds: int, warmup: int, device: torch.device
+    name: str,
+    config: GPTConfig,
+    batch: int,
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    model: type[GPT | Llama] = GPT,
 ) -> list[Row]:
-    """A GPT: memory and the time of forward plus backward, per mode."""
+    """A decoder (GPT or Llama): memory and the time of forward plus backward, per mode."""
     torch.manual_seed(0)
-    base = GPT(config).to(device)
+    base = model(config).to(device)
     tokens, targets = (t.to(device) for t in make_batches(config, batch, 1)[0])
     all_modes, _ = modes()
     models = {}
@@ -147,7 +153,7 @@ def gpt_workload(
         models[mode] = copy.deepcopy(base)
         models[mode].checkpoint = wrap
 
-    def step(model: GPT) -> Tensor:
+    def step(model: GPT | Llama) -> Tensor:
         torch.manual_seed(1)
         model.zero_grad(set_to_none=True)
         return model.loss(tokens, targets)
@@ -158,7 +164,7 @@ def gpt_workload(
         rows.append(Row(name, mode, held, peak, loss=loss.item()))
     if rounds:
 
-        def timed(model: GPT) -> None:
+        def timed(model: GPT | Llama) -> None:
             step(model).backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -416,6 +422,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     rows = gpt_workload(
         "reference GPT", reference, sizes["batch"], sizes["rounds"], sizes["warmup"], device
+    )
+    llama = dataclasses.replace(reference, blocks=4, dropout=0.0)
+    rows += gpt_workload(
+        "Llama-style, 4 blocks",
+        llama,
+        sizes["batch"],
+        sizes["rounds"],
+        sizes["warmup"],
+        device,
+        model=Llama,
     )
     depth, width, hidden, batch = sizes["mlp"]
     rows += mlp_workload(depth, width, hidden, batch * 8, sizes["rounds"] * 3, device)

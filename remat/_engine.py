@@ -443,6 +443,7 @@ class Region:
                 tensors = [swap.get(id(t), t) for t in tensors]
             replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
             if replayer is not None:
+                stack.callback(replayer.close)
                 for copy, original, version in copies:
                     if id(original) not in self.inputs:
                         replayer.stand_in(copy, original, version)

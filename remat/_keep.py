@@ -513,7 +513,7 @@ class Replayer:
         keeper = self.keeper
         if index is not None and index in keeper.kept and keeper.replayable(index):
             out = keeper.value(index)
-        elif index is not None and index in keeper.skip:
+        elif index is not None and index in keeper.skip and self._skippable(func, args):
             out = self._placeholder(keeper.skip[index])
         else:
             if self.placeholders and self._reads_placeholder((args, kwargs)):
@@ -530,6 +530,15 @@ class Replayer:
                 self.diverged = True  # an unknown write: aliases may now hold anything
         self.provenance.record(func, args, out, -1 if index is None else index)
         return out
+
+    def close(self) -> None:
+        """End of the recompute: drop the placeholders.
+
+        They carry the recompute's autograd history, whose saved values hold the pack
+        hook, which holds this replayer: a cycle through C++ that Python's collector
+        cannot see, which kept every block's recomputed graph alive (one per region).
+        """
+        self.placeholders.clear()
 
     def handle(self, t: torch.Tensor) -> int | None:
         """The forward's handle that a value autograd saves in the recompute rebuilds, if any."""
@@ -564,6 +573,11 @@ class Replayer:
             return None
         self.cursor[signature] = k + 1
         return indices[k]
+
+    def _skippable(self, func: Any, args: Any) -> bool:
+        """A detach or alias passes its input's provenance on, so its readers do not
+        depend on it: it is skipped only when its input was (it costs nothing to run)."""
+        return func not in _TRANSPARENT or self._reads_placeholder(args)
 
     def _reads_placeholder(self, value: Any) -> bool:
         if isinstance(value, torch.Tensor):
