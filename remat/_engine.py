@@ -111,26 +111,29 @@ class _Meta(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
-    producer: str
+    node: str  # the producing autograd node's name ("" without history), made readable late
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Meta:
         node = t.grad_fn
-        producer = f"output of {node_op(node)}" if node else "a tensor with no autograd history"
-        return cls(t.shape, t.dtype, t.device, producer)
+        return cls(t.shape, t.dtype, t.device, node.name() if node is not None else "")
 
     def same(self, other: _Meta, producers: bool) -> bool:
         """Equal metadata, and (if asked) the same producer up to how a reshape decomposed."""
         if self[:3] != other[:3]:
             return False
-        mine, theirs = (
-            self.producer.removeprefix("output of "),
-            other.producer.removeprefix("output of "),
-        )
-        return not producers or mine == theirs or {mine, theirs} <= _RESHAPES
+        if not producers or self.node == other.node:
+            return True
+        mine, theirs = self.producer, other.producer
+        return mine == theirs or (bool(mine and theirs) and {mine, theirs} <= _RESHAPES)
+
+    @property
+    def producer(self) -> str:
+        return node_op(self.node) if self.node else ""
 
     def __str__(self) -> str:
-        return f"{self.producer}, {describe_meta(self.shape, self.dtype, self.device)}"
+        made = f"output of {self.producer}" if self.node else "a tensor with no autograd history"
+        return f"{made}, {describe_meta(self.shape, self.dtype, self.device)}"
 
 
 def running_region() -> Region | None:

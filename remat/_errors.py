@@ -78,8 +78,9 @@ def source_line() -> str:
 
 
 def node_op(node: Any) -> str:
-    """The aten op behind an autograd node, by name: ``AddmmBackward0`` -> ``aten.addmm``."""
-    name = node.name().rstrip("0123456789").removesuffix("Backward")
+    """The aten op behind an autograd node (or its name): ``AddmmBackward0`` -> ``aten.addmm``."""
+    name = (node if isinstance(node, str) else node.name()).rstrip("0123456789")
+    name = name.removesuffix("Backward")
     return "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
 
 

@@ -185,7 +185,7 @@ class Provenance:
             return tuple(self._key(v, reads) for v in value)
         if isinstance(value, dict):
             return tuple((k, self._key(v, reads)) for k, v in value.items())
-        if isinstance(value, torch.Generator):
+        if type(value) is torch.Generator:  # isinstance goes through a slow metaclass
             # A dispatch mode sees a new wrapper of the same generator each time.
             return ("generator", value.device, value.initial_seed())
         if isinstance(value, float) and value != value:

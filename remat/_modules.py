@@ -152,7 +152,8 @@ class ModuleState:
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
-                generators.extend(v for v in vars(sub).values() if isinstance(v, torch.Generator))
+                # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
+                generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
                 if _FSDP is not None and isinstance(sub, _FSDP):
                     seen.update(id(m) for m in sub.modules())
                     continue
