@@ -16,6 +16,7 @@ import importlib.util
 import json
 import random
 import statistics
+import threading
 import time
 import timeit
 from collections.abc import Callable, Sequence
@@ -76,9 +77,14 @@ class Row:
     mode: str
     held: int
     peak: int
-    time: float | None = None
+    times: list[float] = dataclasses.field(default_factory=list)  # per round
     loss: float | None = None
     same_loss: bool | None = None
+
+    @property
+    def time(self) -> float | None:
+        """Median seconds per step."""
+        return statistics.median(self.times) if self.times else None
 
 
 def _device_memory(device: torch.device) -> Any:
@@ -120,8 +126,10 @@ def _measure_memory(step: Callable[[], Tensor], device: torch.device) -> tuple[i
     return held, peak, loss.detach()
 
 
-def _interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, warmup: int) -> dict:
-    """Median seconds per step, modes taking turns in a shuffled order each round."""
+def _interleaved_times(
+    steps: dict[str, Callable[[], None]], rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per step and round, modes taking turns in a shuffled order each round."""
     names, order = list(steps), random.Random(0)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(warmup + rounds):
@@ -131,7 +139,7 @@ def _interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, warmup
             steps[name]()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def gpt_workload(
@@ -173,7 +181,7 @@ def gpt_workload(
             {mode: functools.partial(timed, m) for mode, m in models.items()}, rounds, warmup
         )
         for row in rows:
-            row.time = times[row.mode]
+            row.times = times[row.mode]
     plain_loss = rows[0].loss
     for row in rows:
         row.same_loss = row.loss == plain_loss
@@ -218,7 +226,7 @@ def mlp_workload(
     if rounds:
         times = _interleaved_times(steps, rounds, 2)
         for row in rows:
-            row.time = times[row.mode]
+            row.times = times[row.mode]
     for row in rows:
         row.same_loss = row.loss == rows[0].loss
     return rows
@@ -288,25 +296,51 @@ def overhead(repeat: int) -> dict[str, float]:
 
 
 def rng_overhead(config: GPTConfig, batch: int, repeat: int) -> dict[str, float]:
-    """RNG capture on a region with no random ops: one block's forward, with and without."""
+    """RNG capture: one reference block's forward (with its dropout), ms, with and without.
+
+    With another thread alive, a region captures per random op under a dispatch mode.
+    """
     from ._models import DecoderBlock
 
-    block = DecoderBlock(dataclasses.replace(config, dropout=0.0))
+    block = DecoderBlock(config)
     x = torch.randn(batch, config.seq, config.width, requires_grad=True)
     cases = {
         "plain": block.forward,
         "preserve_rng=True": remat.remat(block.forward),
         "preserve_rng=False": remat.remat(block.forward, preserve_rng=False),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    times: dict[str, list[float]] = {
+        name: [] for name in [*cases, *(f"{n}, thread" for n in cases)]
+    }
+    stop = threading.Event()
     for _ in range(repeat):
         for name, f in cases.items():
             times[name].append(timeit.timeit(lambda f=f: f(x), number=5) / 5)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        idle = threading.Thread(target=stop.wait)
+        idle.start()
+        for name, f in cases.items():
+            times[f"{name}, thread"].append(timeit.timeit(lambda f=f: f(x), number=5) / 5)
+        stop.set()
+        idle.join()
+        stop.clear()
+    result = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    for suffix in ("", ", thread"):  # paired within each repeat: the noise both share cancels
+        on, off = times[f"preserve_rng=True{suffix}"], times[f"preserve_rng=False{suffix}"]
+        costs = [(a - b) / p for a, b, p in zip(on, off, times["plain"], strict=True)]
+        result[f"capture %{suffix}"] = 100 * statistics.median(costs)
+    return result
 
 
 def _ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x" if value and reference else "-"
+
+
+def _time_ratio(row: Row, reference: Row | None) -> str:
+    """Median over rounds of the ratio within each round (the noise both share cancels)."""
+    if reference is None or not row.times or not reference.times:
+        return "-"
+    pairs = zip(row.times, reference.times, strict=True)
+    return f"{statistics.median(a / b for a, b in pairs):.3f}x"
 
 
 def format_rows(rows: Sequence[Row]) -> str:
@@ -316,6 +350,7 @@ def format_rows(rows: Sequence[Row]) -> str:
         group = [r for r in rows if r.workload == workload]
         plain = next(r for r in group if r.mode == "plain")
         ckpt = next((r for r in group if r.mode == "torch.utils.checkpoint"), None)
+        sac = next((r for r in group if r.mode.startswith("torch SAC")), None)
         body = []
         for r in group:
             body.append(
@@ -327,8 +362,9 @@ def format_rows(rows: Sequence[Row]) -> str:
                     _bytes(r.peak),
                     _ratio(r.peak, plain.peak),
                     f"{1e3 * r.time:.0f} ms" if r.time else "-",
-                    _ratio(r.time, plain.time),
-                    _ratio(r.time, ckpt.time if ckpt else None),
+                    _time_ratio(r, plain),
+                    _time_ratio(r, ckpt),
+                    _time_ratio(r, sac),
                     {True: "yes", False: "NO", None: "-"}[r.same_loss],
                 ]
             )
@@ -342,6 +378,7 @@ def format_rows(rows: Sequence[Row]) -> str:
             "time",
             "x plain",
             "x ckpt",
+            "x SAC",
             "= plain",
         ]
         out.append(f"### {workload}\n\n{_table(header, body)}")
@@ -456,11 +493,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             + ", ".join(f"{k} {v:.1f}" for k, v in micro.items())
         )
     if rng:
-        cost = (rng["preserve_rng=True"] - rng["preserve_rng=False"]) / rng["plain"]
         lines.append(
-            "One reference block's forward, ms: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in rng.items())
-            + f"; RNG capture costs {100 * cost:.2f}% of the block's forward"
+            "One reference block's forward (dropout 0.1), ms: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in rng.items() if "%" not in k)
+            + f"; RNG capture costs {rng['capture %']:.2f}% of the block's forward, and "
+            f"{rng['capture %, thread']:.2f}% with another thread alive (per-op capture)"
         )
     report = "\n\n".join(line for line in lines if line)
     print(report)
@@ -469,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = {
         "header": header,
         "missing": missing,
-        "rows": [dataclasses.asdict(r) for r in rows],
+        "rows": [{**dataclasses.asdict(r), "time": r.time} for r in rows],
         "per_sample_note": note,
         "overhead_us": micro,
         "rng_block_forward_ms": rng,

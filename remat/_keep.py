@@ -107,6 +107,10 @@ def _version(out: Any) -> int:
     return sum(t._version for t in _outputs(out))
 
 
+# Argument types that stand for themselves in a signature.
+_SELF_DESCRIBING = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout})
+
+
 class _Made(NamedTuple):
     """A tensor an op of the region made: which op, which output, at which version."""
 
@@ -179,10 +183,13 @@ class Provenance:
         return (func, self._key(args, reads), self._key(kwargs, reads) if kwargs else ())
 
     def _key(self, value: Any, reads: set[int] | None) -> Any:
+        kind = type(value)
+        if kind in _SELF_DESCRIBING:  # most arguments: cheapest test first
+            return value
         if isinstance(value, torch.Tensor):
             return self.describe(value, reads)
         if isinstance(value, (list, tuple)):
-            return tuple(self._key(v, reads) for v in value)
+            return tuple([self._key(v, reads) for v in value])
         if isinstance(value, dict):
             return tuple((k, self._key(v, reads)) for k, v in value.items())
         if type(value) is torch.Generator:  # isinstance goes through a slow metaclass
