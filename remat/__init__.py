@@ -1,5 +1,6 @@
 """remat: JAX-style rematerialization for PyTorch that composes with torch.func."""
 
+from . import _torch_private
 from . import memory as memory
 from . import policies as policies
 from ._errors import RecomputeError as RecomputeError
@@ -22,3 +23,5 @@ __all__ = [
     "saved_residuals",
 ]
 __version__ = "0.1.0"
+
+_torch_private.install()

@@ -13,8 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
 from ._keep import Keeper, Replayer
 from ._rng import RngCapture, RngReplay, is_random
@@ -36,7 +35,7 @@ class quiet:  # noqa: N801 - a context manager, like torch.no_grad
         _local.quiet -= 1
 
 
-class OpMode(TorchDispatchMode):
+class OpMode(_torch_private.TorchDispatchMode):
     """Sees every aten op of one forward or one recompute."""
 
     @classmethod

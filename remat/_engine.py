@@ -26,6 +26,7 @@ from ._dispatch import OpMode, quiet
 from ._errors import (
     RecomputeError,
     TraceEntry,
+    changed_since_forward,
     debugging,
     describe_meta,
     diff_traces,
@@ -200,9 +201,17 @@ class Region:
         # Other threads may draw from the shared generators: capture per random op.
         self.threaded = preserve_rng and threaded()
 
-    def moded(self) -> bool:
-        """Whether the forward and every recompute run under remat's dispatch mode."""
-        return self.keeper is not None or self.trace is not None or self.threaded
+    def moded(self, recompute: bool = False) -> bool:
+        """Whether the forward (or a recompute now) runs under remat's dispatch mode.
+
+        The forward does for a per-op policy, `remat.debug`, or other threads alive
+        (random numbers are then captured per op); a recompute also does whenever
+        other threads are alive now, as lending RNG states to shared generators is
+        safe only while no other thread draws.
+        """
+        if self.keeper is not None or self.trace is not None or self.threaded:
+            return True
+        return recompute and self.rng is not None and threaded()
 
     # The forward.
 
@@ -390,11 +399,11 @@ class Region:
                     "modified value and modify it again. Clone it inside `fn` before modifying "
                     "it (`x = x.clone()`), or modify it outside the remat'd function."
                 )
-            raise RuntimeError(
-                f"`remat`: argument {self.paths()[i]} was modified in place between the "
-                f"forward and the backward (version {version} -> {t._version}); its "
-                "gradients would be wrong. Clone it before modifying it, or modify it "
-                "after the backward."
+            raise changed_since_forward(
+                f"argument {self.paths()[i]}",
+                version,
+                t._version,
+                "Clone it before modifying it, or modify it after the backward.",
             )
 
     def _recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
@@ -428,8 +437,7 @@ class Region:
         """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
         rng = self.rng
-        # Lending states to shared generators is safe only while no other thread draws.
-        moded = self.moded() or (rng is not None and threaded())
+        moded = self.moded(recompute=True)
         replay = rng.replay() if rng is not None and moded else None
         lend = RngLend(rng.lendable()) if rng is not None and not moded else None
         with contextlib.ExitStack() as stack:

@@ -77,6 +77,15 @@ def source_line() -> str:
     return "?"
 
 
+def changed_since_forward(what: str, before: int, after: int, fix: str) -> RuntimeError:
+    """The one error for state that changed between the forward and its recompute."""
+    return RuntimeError(
+        f"`remat`: {what} was modified in place between the forward and the backward "
+        f"(version {before} -> {after}); the recompute would read the new value and its "
+        f"gradients would be wrong. {fix}"
+    )
+
+
 def node_op(node: Any) -> str:
     """The aten op behind an autograd node (or its name): ``AddmmBackward0`` -> ``aten.addmm``."""
     name = (node if isinstance(node, str) else node.name()).rstrip("0123456789")

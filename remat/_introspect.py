@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _torch_private
 from ._errors import describe_meta, source_line
 
 __all__ = ["Collector", "Residual", "current", "print_saved_residuals", "saved_residuals"]
@@ -44,7 +44,7 @@ class Residual:
     source: str
 
 
-class Collector(TorchDispatchMode):
+class Collector(_torch_private.TorchDispatchMode):
     """What `saved_residuals` gathers: records, and who produced each tensor."""
 
     def __init__(self, arguments: list[torch.Tensor]) -> None:
@@ -79,9 +79,7 @@ class Collector(TorchDispatchMode):
         if self.arguments.get(id(t)) is t:
             self.add(t, "input", None, None, f"argument {path}" if path else "an argument")
             return
-        from ._torch_private import unwrap_all
-
-        op, line = self.producers.get(id(unwrap_all(t)), (None, None))
+        op, line = self.producers.get(id(_torch_private.unwrap_all(t)), (None, None))
         where = f"output of {op.overloadpacket} at {line}" if op else "a tensor made outside `fn`"
         if path:
             where += f", argument {path} of a remat region"
@@ -94,9 +92,7 @@ def current() -> Collector | None:
 
 
 def _has_storage(t: torch.Tensor) -> bool:
-    from ._torch_private import wrapper_level
-
-    return wrapper_level(t) == -1
+    return _torch_private.wrapper_level(t) == -1
 
 
 def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:

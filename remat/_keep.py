@@ -453,10 +453,13 @@ class Keeper:
         """A kept value, on its own device, as a fresh alias autograd may attach to."""
         alias, version = self.kept[index]
         if _version(alias) != version:
-            raise RuntimeError(
-                f"`remat`: a value the policy kept (output of {self.ops[index]}) was modified "
-                "in place after the forward; its gradients would be wrong. Clone it before "
-                "modifying it."
+            from ._errors import changed_since_forward
+
+            raise changed_since_forward(
+                f"a value the policy kept (output of {self.ops[index]})",
+                version,
+                _version(alias),
+                "Clone it before modifying it.",
             )
         if index in self.offload:
             return _move(alias, self.offload[index][0])

@@ -7,12 +7,13 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _torch_private
 
 __all__ = ["track"]
 
 
-class track(TorchDispatchMode):  # noqa: N801 - used as a context manager, like torch.no_grad
+class track(_torch_private.TorchDispatchMode):  # noqa: N801 - used as a context manager, like torch.no_grad
     """Count the bytes of tensor storages allocated while active, and still alive.
 
     Every aten op that runs inside the context (forward, backward and remat

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from . import _torch_private
-from ._errors import RecomputeError
+from ._errors import RecomputeError, changed_since_forward
 
 __all__ = ["ModuleState", "reachable_modules"]
 
@@ -220,11 +220,11 @@ class ModuleState:
             if self.ended and self.ended[i] == slot.version and current is not slot.tensor:
                 swaps.append((slot.table, slot.name, slot.tensor))
             if slot.tensor._version != (self.ended[i] if self.ended else slot.version):
-                raise RuntimeError(
-                    f"`remat`: module tensor `{slot.name}` was modified in place between the "
-                    f"forward and the backward (version {slot.version} -> "
-                    f"{slot.tensor._version}), so the recompute would give wrong gradients. "
-                    "Step the optimizer after the backward."
+                raise changed_since_forward(
+                    f"module tensor `{slot.name}` of {type(slot.module).__name__}",
+                    slot.version,
+                    slot.tensor._version,
+                    "Step the optimizer after the backward.",
                 )
         previous = [(table, name, table.get(name)) for table, name, _ in swaps]
         for table, name, t in swaps:

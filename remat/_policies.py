@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from . import _torch_private
+
 __all__ = [
     "Decision",
     "OpCall",
@@ -173,7 +175,7 @@ class save_ops(Policy):  # noqa: N801 - a policy factory, named like its sibling
 
     def __init__(self, *ops: Any) -> None:
         for op in ops:
-            if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            if not _torch_private.is_aten_op(op):
                 raise TypeError(
                     f"`save_ops` takes aten ops such as `torch.ops.aten.mm`, got {op!r}."
                 )
@@ -319,7 +321,7 @@ def resolve(policy: Any) -> Policy:
                 f"`remat`: unknown policy {policy!r}. Valid names: {valid}. "
                 "Pass one of these, or a policy object from `remat.policies`."
             ) from None
-    if isinstance(policy, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if _torch_private.is_aten_op(policy):
         raise TypeError(
             f"`remat`: `policy` got the aten op {policy!r}, not a policy. To keep its "
             f"outputs, pass `policy=remat.policies.save_ops({policy!r})`."

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 _F: Any = torch._C._functorch
 
@@ -45,6 +46,9 @@ __all__ = [
     "requiring_grad",
     "saved_tensors_hooks_enabled",
     "rewraps_outputs",
+    "install",
+    "is_aten_op",
+    "TorchDispatchMode",
 ]
 
 
@@ -136,8 +140,23 @@ def _disable_saved_tensors_hooks_in_regions(error_message: str) -> Iterator[None
             torch._C._autograd._saved_tensors_hooks_disable(previous, False)
 
 
-# functorch looks this function up on the module at call time.
-torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks_in_regions
+def install() -> None:
+    """Let torch.func transforms start inside remat regions (called once, by ``remat``).
+
+    functorch looks ``disable_saved_tensors_hooks`` up on its module at call time,
+    so remat swaps in `_disable_saved_tensors_hooks_in_regions`, which is torch's
+    own function outside regions (``tests/test_torch_private.py`` checks that).
+    """
+    torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks_in_regions
+
+
+# Python dispatch modes: torch's documented extension point, under a private module name.
+TorchDispatchMode = _TorchDispatchMode
+
+
+def is_aten_op(value: Any) -> bool:
+    """Whether ``value`` is an aten operator (an overload or an overload packet)."""
+    return isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
 def functorch_interpreters() -> list[Any]:

@@ -77,7 +77,7 @@ def test_module_passed_as_fn_is_pinned() -> None:
     y = rematerialize(module)(x).sum()
     with torch.no_grad():
         module[0].weight.mul_(2)
-    with pytest.raises(RuntimeError, match="module tensor `weight` was modified in place"):
+    with pytest.raises(RuntimeError, match="tensor `weight` of Linear was modified in place"):
         y.backward()
 
 

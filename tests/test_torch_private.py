@@ -411,3 +411,34 @@ def test_rewraps_outputs_tells_subclasses_that_convert_outputs():
     assert not tp.rewraps_outputs(torch.nn.Parameter(t))
     assert tp.rewraps_outputs(t.as_subclass(Sub))
     assert type(t.as_subclass(Sub).sin()) is Sub  # what makes remat index by storage
+
+
+def test_install_leaves_torch_alone_outside_regions():
+    """After `install`, outside regions torch.func still refuses to start under pushed hooks."""
+    tp.install()
+    assert torch.autograd.graph.disable_saved_tensors_hooks.__name__ == (
+        "_disable_saved_tensors_hooks_in_regions"
+    )
+    x = torch.ones(3)
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with hooks, pytest.raises(RuntimeError, match="saved tensor hooks"):
+        torch.func.grad(lambda x: x.sin().sum())(x)
+    assert torch.equal(torch.func.grad(lambda x: x.sin().sum())(x), x.cos())
+
+
+def test_is_aten_op_and_dispatch_mode():
+    """is_aten_op tells operators (overloads and packets) from other callables."""
+    assert tp.is_aten_op(torch.ops.aten.mm)
+    assert tp.is_aten_op(torch.ops.aten.mm.default)
+    assert not tp.is_aten_op(torch.mm)
+    seen = []
+
+    class Mode(tp.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2).sin()
+    assert torch.ops.aten.sin.default in seen
+    assert isinstance(tp.TorchDispatchMode(), torch.utils._python_dispatch.TorchDispatchMode)
