@@ -137,10 +137,19 @@ class _Meta(NamedTuple):
         return f"{made}, {describe_meta(self.shape, self.dtype, self.device)}"
 
 
+class _Running(NamedTuple):
+    """An entry of the thread's stack of running forwards and recomputes."""
+
+    region: Region | None  # None for a recompute
+    pack: Callable[[torch.Tensor], Any]
+    unpack: Callable[[Any], torch.Tensor]
+    under_transforms: bool  # its levels are torch.func's: inner regions keep their inputs
+
+
 def running_region() -> Region | None:
     """The innermost region whose forward is running on this thread."""
     stack = _torch_private.running_regions()
-    return stack[-1][0] if stack else None
+    return stack[-1].region if stack else None
 
 
 def _autocast_state() -> tuple[Any, ...]:
@@ -158,6 +167,103 @@ def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
         for device, (enabled, dtype) in zip(_AUTOCAST_DEVICES, state, strict=True):
             stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
         yield
+
+
+class _Setting:
+    """What a region's recompute re-establishes from its forward, built at the forward.
+
+    The forward's torch.func levels, module state, autocast state, RNG capture and
+    per-op bookkeeping; `recreate` enters all of them for one recompute.
+    """
+
+    __slots__ = (
+        "autocast",
+        "generators",
+        "keeper",
+        "levels",
+        "modules",
+        "rng",
+        "threaded",
+        "trace",
+    )
+
+    def __init__(
+        self,
+        inputs: list[torch.Tensor],
+        modules: ModuleState | None,
+        generators: list[torch.Generator],
+        policy: Policy,
+        preserve_rng: bool,
+    ) -> None:
+        self.levels = _functorch.Levels.capture(inputs)
+        self.modules = modules
+        self.autocast = _autocast_state()
+        self.rng = RngCapture() if preserve_rng else None
+        self.generators = generators
+        collecting = _introspect.current() is not None
+        self.keeper = Keeper(policy, inputs, collecting) if policy.per_op else None
+        self.trace: list[TraceEntry] | None = [] if debugging() else None
+        # Other threads may draw from the shared generators: capture per random op.
+        self.threaded = preserve_rng and threaded()
+
+    def moded(self, recompute: bool = False) -> bool:
+        """Whether the forward (or a recompute now) runs under remat's dispatch mode.
+
+        The forward does for a per-op policy, `remat.debug`, or other threads alive
+        (random numbers are then captured per op); a recompute also does whenever
+        other threads are alive now, as lending RNG states to shared generators is
+        safe only while no other thread draws.
+        """
+        if self.keeper is not None or self.trace is not None or self.threaded:
+            return True
+        return recompute and self.rng is not None and threaded()
+
+    def recreate(
+        self,
+        stack: contextlib.ExitStack,
+        call: Any,
+        tensors: list[torch.Tensor],
+        region: Region,
+        make_pack: Callable[[Replayer | None, bool, list[TraceEntry] | None], _RecomputePack],
+    ) -> tuple[Any, _RecomputePack]:
+        """Enter the forward's setting for one recompute; the call to make, and its pack."""
+        trace: list[TraceEntry] | None = [] if self.trace is not None else None
+        moded = self.moded(recompute=True)
+        stack.enter_context(torch.enable_grad())
+        replant = stack.enter_context(self.levels.restore(tensors))
+        copies = stack.enter_context(self.modules.pinned()) if self.modules else []
+        swap = {}
+        if replant is not None:
+            swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
+        swap.update((id(original), copy) for copy, original, _ in copies)
+        if swap:
+            call = region.tree_map(lambda x: swap.get(id(x), x), call)
+            tensors = [swap.get(id(t), t) for t in tensors]
+        replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
+        if replayer is not None:
+            stack.callback(replayer.close)
+            for copy, original, version in copies:
+                if id(original) not in region.inputs:
+                    replayer.stand_in(copy, original, version)
+            for original, twin in replant.twins if replant is not None else ():
+                if twin is not original:
+                    replayer.stand_in(twin, original, original._version)
+        pack = make_pack(replayer, replant is None, trace)
+        running = _Running(None, pack, _identity, under_transforms=False)
+        stack.enter_context(_torch_private.region_running(running))
+        stack.enter_context(_autocast(self.autocast))
+        if self.levels:
+            stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
+        replay = None
+        if self.rng is not None:
+            if moded:
+                replay = stack.enter_context(self.rng.replay())
+            else:
+                stack.enter_context(RngLend(self.rng.lendable()))
+        if moded:
+            stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
+        return call, pack
 
 
 class Region:
@@ -181,7 +287,6 @@ class Region:
         self.tensors = inputs
         self.inputs = {id(t): t for t in inputs}
         self.versions = [t._version for t in inputs]
-        self.modules = modules
         self.check = check
         self.handles: list[weakref.ref[_Handle]] = []
         self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
@@ -189,41 +294,25 @@ class Region:
         self.passes: dict[int, dict[int, torch.Tensor]] = {}
         self.given: dict[int, dict[int, _Given]] = {}
         self.saved_inputs: set[int] = set()
-        self.autocast = _autocast_state()
-        self.rng = RngCapture() if preserve_rng else None
-        self.generators = generators
-        collecting = _introspect.current() is not None
-        self.keeper = Keeper(policy, inputs, collecting) if policy.per_op else None
-        self.trace: list[TraceEntry] | None = [] if debugging() else None
-        self.levels = _functorch.Levels.capture(inputs)
+        self.setting = _Setting(inputs, modules, generators, policy, preserve_rng)
+        self.levels, self.keeper = self.setting.levels, self.setting.keeper  # read everywhere
         self.mode: OpMode | None = None  # the forward's, while it runs
         self.running = False  # whether the forward runs
-        # Other threads may draw from the shared generators: capture per random op.
-        self.threaded = preserve_rng and threaded()
-
-    def moded(self, recompute: bool = False) -> bool:
-        """Whether the forward (or a recompute now) runs under remat's dispatch mode.
-
-        The forward does for a per-op policy, `remat.debug`, or other threads alive
-        (random numbers are then captured per op); a recompute also does whenever
-        other threads are alive now, as lending RNG states to shared generators is
-        safe only while no other thread draws.
-        """
-        if self.keeper is not None or self.trace is not None or self.threaded:
-            return True
-        return recompute and self.rng is not None and threaded()
 
     # The forward.
 
     def forward(self) -> Any:
-        running = _torch_private.region_running((self, self._pack, self._fetch, bool(self.levels)))
+        running = _torch_private.region_running(
+            _Running(self, self._pack, self._fetch, bool(self.levels))
+        )
         enabled = _torch_private.saved_tensors_hooks_enabled() if self.levels else _NOTHING
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        if self.moded():
-            self.mode = OpMode(capture=self.rng, keeper=self.keeper, trace=self.trace)
-        snapshot = self.rng is not None and not self.moded()  # no mode: read generators around
-        if snapshot:
-            self.rng.start(self.generators)  # type: ignore[union-attr]
+        setting = self.setting
+        if setting.moded():
+            self.mode = OpMode(capture=setting.rng, keeper=self.keeper, trace=setting.trace)
+        rng = None if setting.moded() else setting.rng  # no mode: read generators around
+        if rng is not None:
+            rng.start(setting.generators)
         closures = self.levels.watch_closures(self.tensors)
         self.running = True
         with running, enabled, hooks, self.mode or _NOTHING, closures:
@@ -231,12 +320,12 @@ class Region:
                 out = self.fn(*self.call[0], **self.call[1])
             finally:
                 self.running = False
-            if snapshot:
-                self.rng.finish()  # type: ignore[union-attr]
+            if rng is not None:
+                rng.finish()
             self.mode = None
             self._check_inputs(inside=True)
-            if self.modules is not None:
-                self.modules.settle()
+            if setting.modules is not None:
+                setting.modules.settle()
             outer = self._enclosing()
             if outer is not None:
                 self._hand_over_inputs(outer)
@@ -249,14 +338,14 @@ class Region:
             self._report(found)
         return out
 
-    def _tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         return optree.tree_map(fn, tree, none_is_leaf=True, namespace=self.namespace)
 
-    def _hand_over_inputs(self, outer: tuple[Any, ...]) -> None:
+    def _hand_over_inputs(self, outer: _Running) -> None:
         """Inside another region, hold no input: the outer region saves them for us."""
-        _, pack, unpack, _ = outer
+        pack, unpack = outer.pack, outer.unpack
         slots = {id(t): _Outer(pack, unpack, t) for t in self.tensors}
-        self.call = self._tree_map(
+        self.call = self.tree_map(
             lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
         )
         self.tensors, self.inputs, self.versions = [], {}, []
@@ -274,7 +363,7 @@ class Region:
                 fetched[id(x)] = x.get()
             return fetched[id(x)]
 
-        call = self._tree_map(fetch, self.call)
+        call = self.tree_map(fetch, self.call)
         leaves: list[Any] = optree.tree_leaves(call, none_is_leaf=True, namespace=self.namespace)
         return call, [t for t in leaves if isinstance(t, torch.Tensor)]
 
@@ -310,7 +399,7 @@ class Region:
             self.kinds.append(0)
             outer = self._enclosing()
             if outer is not None:
-                return _Outer(outer[1], outer[2], t)
+                return _Outer(outer.pack, outer.unpack, t)
             self.saved_inputs.add(id(t))
             return _Kept(t, t._version)
         handle = _Handle(len(self.handles))
@@ -322,7 +411,7 @@ class Region:
             self.meta.append(_Meta.of(t))
         return handle
 
-    def _enclosing(self) -> tuple[Any, ...] | None:
+    def _enclosing(self) -> _Running | None:
         """The forward or recompute running around this region's forward, at its levels.
 
         Under torch.func transforms the inner region keeps its inputs: autograd may
@@ -333,9 +422,9 @@ class Region:
             return None
         running = _torch_private.running_regions()
         for i in range(len(running) - 1, 0, -1):
-            if running[i][0] is self:
+            if running[i].region is self:
                 outer = running[i - 1]
-                return None if outer[3] else outer
+                return None if outer.under_transforms else outer
         return None
 
     # Backward.
@@ -435,44 +524,16 @@ class Region:
 
     def _rerun(self, needed: set[int]) -> dict[int, torch.Tensor]:
         """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
-        trace: list[TraceEntry] | None = [] if self.trace is not None else None
-        rng = self.rng
-        moded = self.moded(recompute=True)
-        replay = rng.replay() if rng is not None and moded else None
-        lend = RngLend(rng.lendable()) if rng is not None and not moded else None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
             call, tensors = self._inputs()
-            replant = stack.enter_context(self.levels.restore(tensors))
-            copies = stack.enter_context(self.modules.pinned()) if self.modules else []
-            swap = {}
-            if replant is not None:
-                swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
-            swap.update((id(original), copy) for copy, original, _ in copies)
-            if swap:
-                call = self._tree_map(lambda x: swap.get(id(x), x), call)
-                tensors = [swap.get(id(t), t) for t in tensors]
-            replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
-            if replayer is not None:
-                stack.callback(replayer.close)
-                for copy, original, version in copies:
-                    if id(original) not in self.inputs:
-                        replayer.stand_in(copy, original, version)
-                for original, twin in replant.twins if replant is not None else ():
-                    if twin is not original:
-                        replayer.stand_in(twin, original, original._version)
-            pack = _RecomputePack(self, needed, trace, replayer, producers=replant is None)
-            stack.enter_context(_torch_private.region_running((None, pack, _identity, False)))
-            stack.enter_context(_autocast(self.autocast))
-            if self.levels:
-                stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
-            if lend is not None:
-                stack.enter_context(lend)
-            if replay is not None:
-                stack.enter_context(replay)
-            if moded:
-                stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
+            call, pack = self.setting.recreate(
+                stack,
+                call,
+                tensors,
+                self,
+                functools.partial(_RecomputePack, self, needed),
+            )
+            replayer, trace = pack.replayer, pack.trace
             try:
                 self.fn(*call[0], **call[1])
             except _Stop:
@@ -516,9 +577,10 @@ class Region:
             )
 
     def _diff(self, trace: list[TraceEntry] | None) -> str:
-        if self.trace is None or trace is None:
+        forward = self.setting.trace
+        if forward is None or trace is None:
             return ""
-        return "\nOp sequences (forward | recompute):\n" + diff_traces(self.trace, trace)
+        return "\nOp sequences (forward | recompute):\n" + diff_traces(forward, trace)
 
 
 class _RecomputePack:
@@ -532,9 +594,9 @@ class _RecomputePack:
         self,
         region: Region,
         needed: set[int],
-        trace: list[TraceEntry] | None,
         replayer: Replayer | None,
         producers: bool,
+        trace: list[TraceEntry] | None,
     ) -> None:
         self.region, self.trace, self.replayer = region, trace, replayer
         self.needed, self.remaining = needed, len(needed)

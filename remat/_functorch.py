@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -41,12 +41,12 @@ class Levels:
 
     def __init__(
         self,
-        stack: list[tuple[Any, ...]],
+        stack: list[Level],
         witnesses: dict[int, torch.Tensor],
         inputs: list[torch.Tensor],
     ) -> None:
         self.stack, self.witnesses = stack, witnesses
-        self.jvp = [desc[1] for desc in stack if desc[0] == "Jvp"]
+        self.jvp = [desc.level for desc in stack if desc.kind == "Jvp"]
         self.inputs = [self._wrapping(t) for t in inputs]
         # Duals read by closure (under forward mode), by id: they die with their tangents.
         self.closures: dict[int, tuple[torch.Tensor, _Wrapping]] = {}
@@ -66,7 +66,7 @@ class Levels:
             return
         # Wrapped at a level made inside ``fn`` (a transform it calls): not a closure.
         level = tp.wrapper_level(t)
-        if all(desc[1] != level for desc in self.stack):
+        if all(desc.level != level for desc in self.stack):
             return
         chain, tangents = self._wrapping(t)
         if any(tangent is not None for tangent in tangents.values()):
@@ -132,10 +132,10 @@ class Levels:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(Levels._for_incoming)
 
-    def _alive(self, now: list[tuple[Any, ...]]) -> int:
+    def _alive(self, now: list[Level]) -> int:
         """How many of the forward's outermost levels are still the same, alive."""
         for i, desc in enumerate(self.stack):
-            witness = self.witnesses.get(desc[1])
+            witness = self.witnesses.get(desc.level)
             if (
                 i >= len(now)
                 or now[i] != desc
@@ -154,7 +154,7 @@ class Levels:
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(tp.levels_popped(len(now) - alive))
-            replant = Replant({desc[1] for desc in self.stack[alive:]})
+            replant = Replant({desc.level for desc in self.stack[alive:]})
             rewraps = [
                 _Rewrap(t, *wrapping, replant.dead)
                 for t, wrapping in zip(inputs, self.inputs, strict=True)
@@ -164,14 +164,15 @@ class Levels:
                 for key, (t, wrapping) in self.closures.items()
             }
             for desc in self.stack[alive:]:
-                kind, level = desc[0], desc[1]
+                kind, level = desc.kind, desc.level
                 if kind == "Grad":
                     # Levels below record by the grad mode the level was entered with.
-                    stack.enter_context(torch.set_grad_enabled(desc[2]))
+                    stack.enter_context(torch.set_grad_enabled(desc.mode))
                     new = stack.enter_context(tp.new_grad_level())
                     stack.enter_context(torch.enable_grad())
                 elif kind == "Vmap":
-                    new = stack.enter_context(tp.new_vmap_level(desc[3], desc[2]))
+                    assert desc.batch_size is not None
+                    new = stack.enter_context(tp.new_vmap_level(desc.batch_size, desc.mode))
                 elif kind == "Jvp":
                     new = stack.enter_context(tp.new_jvp_level())
                 else:
@@ -322,11 +323,19 @@ class _ClosureWatch(TorchFunctionMode):
         return ref is not None and ref() is t
 
 
-def _describe(interpreter: Any) -> tuple[Any, ...]:
-    state: tuple[Any, ...] = interpreter.get_state()
-    if state[0] == "Vmap":
-        return (*state, interpreter.batch_size())
-    return state
+class Level(NamedTuple):
+    """A torch.func level as the interpreter stack shows it (equal levels compare equal)."""
+
+    kind: str  # "Grad", "Vmap", "Jvp", "Functionalize"
+    level: int
+    mode: Any = None  # Grad: the grad mode it was entered with; Vmap: randomness; Jvp: fwd mode
+    batch_size: int | None = None  # Vmap only
+
+
+def _describe(interpreter: Any) -> Level:
+    kind, level, *mode = interpreter.get_state()
+    batch_size = interpreter.batch_size() if kind == "Vmap" else None
+    return Level(kind, level, mode[0] if mode else None, batch_size)
 
 
 def _tangents(t: torch.Tensor, jvp: list[int]) -> _Tangents:
