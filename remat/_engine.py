@@ -108,22 +108,31 @@ _RESHAPES = frozenset(
 )
 
 
+_CUSTOM = torch.autograd.function.BackwardCFunction
+
+
 class _Meta(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
     node: str  # the producing autograd node's name ("" without history), made readable late
+    # Made by an autograd.Function, which may run in the forward only (FSDP2's
+    # post-backward hook returns its input, and is not registered during backward).
+    custom: bool
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Meta:
         node = t.grad_fn
-        return cls(t.shape, t.dtype, t.device, node.name() if node is not None else "")
+        if node is None:
+            return cls(t.shape, t.dtype, t.device, "", False)
+        return cls(t.shape, t.dtype, t.device, node.name(), isinstance(node, _CUSTOM))
 
     def same(self, other: _Meta, producers: bool) -> bool:
-        """Equal metadata, and (if asked) the same producer up to how a reshape decomposed."""
+        """Equal metadata, and (if asked) the same producer up to how a reshape decomposed
+        or an autograd.Function's presence."""
         if self[:3] != other[:3]:
             return False
-        if not producers or self.node == other.node:
+        if not producers or self.node == other.node or self.custom or other.custom:
             return True
         mine, theirs = self.producer, other.producer
         return mine == theirs or (bool(mine and theirs) and {mine, theirs} <= _RESHAPES)

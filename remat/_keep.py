@@ -85,6 +85,26 @@ _METADATA_ONLY = frozenset(
 # adds and drops detaches between one run and the next).
 _TRANSPARENT = frozenset({aten.detach.default, aten.alias.default})
 
+
+def _passes_through(func: Any, args: Any, out: Any) -> bool:
+    """Whether ``out`` is ``args[0]`` as it is: a detach, an alias, or a view that changes
+    nothing (autograd makes one for an autograd.Function that returns its input, as
+    FSDP2's post-backward hook does, and only when the hook runs)."""
+    if not isinstance(out, torch.Tensor):
+        return False
+    if func in _TRANSPARENT:
+        return True
+    if not func.is_view or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    a = args[0]
+    return (out.shape, out.stride(), out.storage_offset(), out.dtype) == (
+        a.shape,
+        a.stride(),
+        a.storage_offset(),
+        a.dtype,
+    )
+
+
 _READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
 _KINDS: dict[Any, int] = {}
 
@@ -141,9 +161,9 @@ class Provenance:
         self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
         self.outside = outside  # shared by a forward and its recomputes: identity, checked
         self.forward = forward
-        # Made tensors by storage and layout, once a tensor subclass that re-wraps outputs
-        # (as `as_subclass` aliases, which no dispatch mode sees) is met: such an alias
-        # describes as the tensor it aliases. key -> (storage ref, prefix, version offset).
+        # Made tensors by storage and layout, kept once a tensor subclass that re-wraps
+        # outputs is met: its `as_subclass` alias outlives the op output it aliases.
+        # key -> (storage ref, descriptor prefix, version offset).
         self.shared: dict[Any, tuple[weakref.ref[Any], tuple[Any, ...], int]] | None = (
             {} if any(map(_torch_private.rewraps_outputs, inputs)) else None
         )
@@ -167,10 +187,10 @@ class Provenance:
             return (made.op, made.position, t._version - made.made_at)
         ref = self.outside.get(id(t))
         if ref is None or ref() is not t:
-            if self.shared is not None or _torch_private.rewraps_outputs(t):
-                shared = self._shared(t)
+            if t.grad_fn is not None or _torch_private.rewraps_outputs(t):
+                shared = self._aliased(t)
                 if shared is not None:
-                    if reads is not None and isinstance(shared[0], int):
+                    if reads is not None:
                         reads.add(shared[0])
                     return shared
             if not self.forward:
@@ -206,7 +226,7 @@ class Provenance:
             self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
 
     def record(self, func: Any, args: Any, out: Any, index: int) -> None:
-        if func in _TRANSPARENT and isinstance(out, torch.Tensor):
+        if _passes_through(func, args, out):
             self.alias(out, self.describe(args[0]))
             return
         for position, t in enumerate(_outputs(out)):
@@ -216,18 +236,38 @@ class Provenance:
                 entry = (weakref.ref(storage), (index, position), -t._version)
                 self.shared[_layout_key(t, storage)] = entry
 
-    def _shared(self, t: torch.Tensor) -> Any:
-        """An alias of a made tensor by storage and layout (seen first: start indexing)."""
-        if self.shared is None:
-            self.shared = {}
-            return None
+    def _aliased(self, t: torch.Tensor) -> Any:
+        """The made tensor ``t`` aliases with the same layout, if any, as described.
+
+        An alias made where no dispatch mode sees it (a subclass's `as_subclass`, an
+        autograd.Function returning its input, as FSDP2's post-backward hook does)
+        holds the same values as what it aliases. Looked for only for tensors with
+        autograd history or of such subclasses: by storage once a subclass is met,
+        else among the made tensors still alive, newest first.
+        """
         if t.layout != torch.strided:
             return None
         storage = t.untyped_storage()
-        entry = self.shared.get(_layout_key(t, storage))
-        if entry is None or entry[0]() is not storage:
-            return None
-        return (*entry[1], t._version + entry[2])
+        if self.shared is not None or _torch_private.rewraps_outputs(t):
+            if self.shared is None:  # from now on: earlier outputs may be gone already
+                self.shared = {}
+            entry = self.shared.get(_layout_key(t, storage))
+            if entry is None or entry[0]() is not storage:
+                return None
+            return (*entry[1], t._version + entry[2])
+        layout = (t.storage_offset(), t.shape, t.stride(), t.dtype)
+        for made in reversed(self.made.values()):
+            m = made.ref()
+            if (
+                m is not None
+                and m.layout == torch.strided
+                and m.untyped_storage() is storage
+                and (m.storage_offset(), m.shape, m.stride(), m.dtype) == layout
+            ):
+                found = (made.op, made.position, t._version - made.made_at)
+                self.alias(t, found)
+                return found
+        return None
 
 
 def _layout_key(t: torch.Tensor, storage: Any) -> Any:
@@ -366,14 +406,14 @@ class Keeper:
         assert self.provenance is not None
         self.rebuilt_before = len(self.ops)
         plain = _torch_private.unwrap_all(t)
-        made = self.provenance.made.get(id(plain))
-        index = made.op if made is not None and made.ref() is plain else None
+        descriptor = self.provenance.describe(plain)  # the op that made it, or what it aliases
+        index = descriptor[0] if isinstance(descriptor[0], int) else None
         if index is None and self.keys:
             index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
         if index is not None:
             self.wanted.add(index)
         # The logical shape too: under vmap, two saved values may share their batched tensor.
-        signature = _hashable((self.provenance.describe(plain), *_saved_as(t)))
+        signature = _hashable((descriptor, *_saved_as(t)))
         self.signatures.setdefault(signature, []).append(handle)
         self.described.append(signature)
 
@@ -585,9 +625,9 @@ class Replayer:
         return indices[k]
 
     def _skippable(self, func: Any, args: Any) -> bool:
-        """A detach or alias passes its input's provenance on, so its readers do not
-        depend on it: it is skipped only when its input was (it costs nothing to run)."""
-        return func not in _TRANSPARENT or self._reads_placeholder(args)
+        """A view (detach, alias) may pass its input's provenance on, so its readers need
+        not depend on it: it is skipped only when its input was (it costs nothing)."""
+        return not func.is_view or self._reads_placeholder(args)
 
     def _reads_placeholder(self, value: Any) -> bool:
         if isinstance(value, torch.Tensor):

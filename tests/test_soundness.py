@@ -567,6 +567,40 @@ def test_forward_under_flop_counter_backward_outside(policy, block, shape):
     assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
 
 
+class _PostBackward(torch.autograd.Function):
+    """Returns its inputs, as FSDP2's post-backward hook registration does."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _hooked_outside_backward(x, w):
+    # FSDP2 registers its post-backward function only outside backward: the forward has
+    # an identity op (a view made by autograd) that the recompute does not.
+    h = x * 2
+    if torch._C._current_graph_task_id() == -1:
+        (h,) = _PostBackward.apply(h)
+    return torch.tanh(h @ w).sin()
+
+
+@each_policy
+def test_identity_function_in_forward_only(policy):
+    """An autograd.Function returning its input, in the forward only: plain's gradients."""
+
+    def run(wrap):
+        x, w = _randn(0, 3, 4), _randn(1, 4, 4)
+        out = wrap(_hooked_outside_backward)(x, w)
+        out.sum().backward()
+        return out, _grads([x, w])
+
+    assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
+
+
 class _Sub(torch.Tensor):
     pass
 
