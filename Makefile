@@ -35,7 +35,7 @@ fuzz: $(PKG)
 	REMAT_FUZZ=$${REMAT_FUZZ:-10} $(BIN)/pytest -n 2 -p no:cacheprovider tests/test_equivalence.py \
 		tests/test_policy_equivalence.py tests/test_func.py
 
-# The benchmark suite (about 4 minutes on 2 cores); results land in the docs.
+# The benchmark suite (about 7 minutes on 2 cores); results land in the docs.
 bench: $(PKG)
 	$(BIN)/python -m benchmarks.suite --out docs/benchmarks
 

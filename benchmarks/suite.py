@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         reference = GPTConfig(vocab=512, seq=128, width=512, heads=8, blocks=8, dropout=0.1)
         sizes = {
             "batch": 4,
-            "rounds": 10,
+            "rounds": 20,
             "warmup": 2,
             "depths": (4, 8, 16, 32),
             "mlp": (8, 64, 256, 128),
