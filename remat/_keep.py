@@ -96,13 +96,12 @@ def _passes_through(func: Any, args: Any, out: Any) -> bool:
         return True
     if not func.is_view or not args or not isinstance(args[0], torch.Tensor):
         return False
-    a = args[0]
-    return (out.shape, out.stride(), out.storage_offset(), out.dtype) == (
-        a.shape,
-        a.stride(),
-        a.storage_offset(),
-        a.dtype,
-    )
+    return _geometry(out) == _geometry(args[0])
+
+
+def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where in its storage a tensor's values lie, and how they are read."""
+    return (t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 _READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
@@ -212,7 +211,7 @@ class Provenance:
             return tuple([self._key(v, reads) for v in value])
         if isinstance(value, dict):
             return tuple((k, self._key(v, reads)) for k, v in value.items())
-        if type(value) is torch.Generator:  # isinstance goes through a slow metaclass
+        if kind is torch.Generator:  # isinstance goes through a slow metaclass
             # A dispatch mode sees a new wrapper of the same generator each time.
             return ("generator", value.device, value.initial_seed())
         if isinstance(value, float) and value != value:
@@ -234,7 +233,7 @@ class Provenance:
             if self.shared is not None and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 entry = (weakref.ref(storage), (index, position), -t._version)
-                self.shared[_layout_key(t, storage)] = entry
+                self.shared[(id(storage), *_geometry(t))] = entry
 
     def _aliased(self, t: torch.Tensor) -> Any:
         """The made tensor ``t`` aliases with the same layout, if any, as described.
@@ -251,27 +250,23 @@ class Provenance:
         if self.shared is not None or _torch_private.rewraps_outputs(t):
             if self.shared is None:  # from now on: earlier outputs may be gone already
                 self.shared = {}
-            entry = self.shared.get(_layout_key(t, storage))
+            entry = self.shared.get((id(storage), *_geometry(t)))
             if entry is None or entry[0]() is not storage:
                 return None
             return (*entry[1], t._version + entry[2])
-        layout = (t.storage_offset(), t.shape, t.stride(), t.dtype)
+        geometry = _geometry(t)
         for made in reversed(self.made.values()):
             m = made.ref()
             if (
                 m is not None
                 and m.layout == torch.strided
                 and m.untyped_storage() is storage
-                and (m.storage_offset(), m.shape, m.stride(), m.dtype) == layout
+                and _geometry(m) == geometry
             ):
                 found = (made.op, made.position, t._version - made.made_at)
                 self.alias(t, found)
                 return found
         return None
-
-
-def _layout_key(t: torch.Tensor, storage: Any) -> Any:
-    return (id(storage), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 class _Shape(NamedTuple):
