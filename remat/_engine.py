@@ -267,7 +267,7 @@ class _Setting:
         replay = None
         if self.rng is not None:
             if moded:
-                replay = stack.enter_context(self.rng.replay())
+                replay = stack.enter_context(self.rng.replay(per_op=self.moded()))
             else:
                 stack.enter_context(RngLend(self.rng.lendable()))
         if moded:

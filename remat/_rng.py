@@ -234,7 +234,8 @@ class RngCapture:
         ``fn``), those read when it began."""
         return dict(self.snapshot) if self.snapshot else self.states
 
-    def replay(self) -> RngReplay:
+    def replay(self, per_op: bool) -> RngReplay:
+        """Clones to replay on; ``per_op`` if the forward captured each random op."""
         clones, draws = {}, {}
         for generator, state in self.lendable().items():
             clone = torch.Generator(device=generator.device)
@@ -242,7 +243,7 @@ class RngCapture:
             clones[generator] = clone
             if generator in self.draws:
                 draws[clone] = list(reversed(self.draws[generator]))
-        return RngReplay(clones, draws)
+        return RngReplay(clones, draws, per_op)
 
 
 class RngLend(TorchFunctionMode):
@@ -295,15 +296,19 @@ class RngReplay:
     otherwise draws on from where the forward started.
     """
 
-    __slots__ = ("clones", "draws")
+    __slots__ = ("clones", "draws", "per_op")
 
     def __init__(
         self,
         clones: dict[torch.Generator, torch.Generator],
         draws: dict[torch.Generator, list[torch.Tensor]],
+        per_op: bool,
     ) -> None:
         self.clones = clones
         self.draws = draws  # clone -> the states of the forward's ops, last first
+        # Without per-op capture, a default generator the forward left unchanged is one
+        # its random ops did not draw from (dropout with p=0 is tagged random too).
+        self.per_op = per_op
 
     def __enter__(self) -> RngReplay:
         if not hasattr(_local, "replays"):
@@ -321,6 +326,10 @@ class RngReplay:
         clone = _find(self.clones, generator)
         if clone is None and "generator" in kwargs and _fresh(generator):
             self.clones[generator] = clone = generator  # made and seeded inside ``fn``
+        if clone is None and "generator" not in kwargs and not self.per_op:
+            clone = torch.Generator(device=generator.device)
+            clone.set_state(generator.get_state())  # whatever it draws, not from the caller's
+            self.clones[generator] = clone
         if clone is None:
             raise RecomputeError(
                 f"`remat`: the recompute's {func} draws from a generator ({generator.device}) "

@@ -315,3 +315,28 @@ def test_other_threads_alive_switch_to_per_op_capture_bitwise(alive):
         return y.detach(), x.grad, _states()
 
     _assert_same(run(f), run(remat(f)))
+
+
+def test_op_tagged_random_that_draws_nothing_with_a_thread_alive_at_backward():
+    """SDPA without dropout is tagged random; a thread alive by the backward: plain's grads."""
+
+    def attend(q):
+        return F.scaled_dot_product_attention(q, q.cos(), q.sin(), is_causal=True).exp()
+
+    def run(f):
+        q = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+        y = f(q)
+        stop = threading.Event()
+        idle = threading.Thread(target=stop.wait)
+        idle.start()
+        try:
+            y.sum().backward()
+        finally:
+            stop.set()
+            idle.join()
+        return y.detach(), q.grad, _states()
+
+    torch.manual_seed(0)
+    expected = run(attend)
+    torch.manual_seed(0)
+    _assert_same(run(remat(attend)), expected)
