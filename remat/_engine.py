@@ -444,8 +444,8 @@ class Region:
         if self.levels and not isinstance(packed, _Outer):
             with quiet():
                 value = self.levels.for_backward(value)
-        if self.mode is not None and isinstance(packed, _Handle):  # inside our own forward
-            self.keeper.handed_back(packed.index, value)  # type: ignore[union-attr]
+        if self.keeper is not None and self.mode is not None and isinstance(packed, _Handle):
+            self.keeper.handed_back(packed.index, value)  # inside our own forward
         return value
 
     def _fetch(self, packed: Any) -> torch.Tensor:

@@ -104,11 +104,28 @@ def _find(clones: dict[torch.Generator, torch.Generator], generator: torch.Gener
 
 def _active(generator: torch.Generator) -> torch.Generator:
     """The generator an op really draws from: a replay clone inside a recompute."""
-    for clones in reversed(getattr(_local, "replays", ())):
-        clone = _find(clones, generator)
+    replaying = _replaying(generator)
+    return replaying[1] if replaying is not None else generator
+
+
+def _standing_for(generator: torch.Generator) -> torch.Generator | None:
+    """The generator that ``generator``, a nested region's private one, draws in place of."""
+    for private, source in reversed(getattr(_local, "drawing", ())):
+        if generator is private or (
+            generator.device == private.device
+            and torch.equal(generator.get_state(), private.get_state())
+        ):
+            return source
+    return None
+
+
+def _replaying(generator: torch.Generator) -> tuple[RngReplay, torch.Generator] | None:
+    """The innermost recompute replaying ``generator`` on this thread, and its clone."""
+    for replay in reversed(getattr(_local, "replays", ())):
+        clone = _find(replay.clones, generator)
         if clone is not None:
-            return clone
-    return generator
+            return replay, clone
+    return None
 
 
 def visible_generators(fn: Any, leaves: list[Any], extra: list[Any]) -> list[torch.Generator]:
@@ -200,13 +217,25 @@ class RngCapture:
         generator = _op_generator(args, kwargs)
         if generator is None:
             return func(*args, **kwargs)
-        with _DRAWING:
-            active = _active(generator)
-            state = active.get_state()
-            private = torch.Generator(device=active.device)
-            private.set_state(state)
-            out = _draw(func, args, kwargs, generator, private)
-            active.set_state(private.get_state())
+        replaying = _replaying(generator)
+        if replaying is not None:  # inside a recompute, whose replay draws this op
+            state = replaying[0].next_state(replaying[1])
+            out = func(*args, **kwargs)
+        else:
+            # A nested region's private generator: the draw is from the one it stands for.
+            source = _standing_for(generator) or generator
+            with _DRAWING:
+                state = generator.get_state()
+                private = torch.Generator(device=generator.device)
+                private.set_state(state)
+                drawing = _local.__dict__.setdefault("drawing", [])
+                drawing.append((private, source))
+                try:
+                    out = _draw(func, args, kwargs, generator, private)
+                finally:
+                    drawing.pop()
+                generator.set_state(private.get_state())
+            generator = source
         self.states.setdefault(generator, state)
         self.draws.setdefault(generator, []).append(state)
         return out
@@ -313,11 +342,16 @@ class RngReplay:
     def __enter__(self) -> RngReplay:
         if not hasattr(_local, "replays"):
             _local.replays = []
-        _local.replays.append(self.clones)
+        _local.replays.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _local.replays.pop()
+
+    def next_state(self, clone: torch.Generator) -> torch.Tensor:
+        """The state ``clone`` draws the next random op from."""
+        states = self.draws.get(clone)
+        return states[-1] if states else clone.get_state()
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         generator = _op_generator(args, kwargs)

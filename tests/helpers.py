@@ -8,10 +8,12 @@ Everything random is described by small frozen dataclasses (`TensorSpec`, `Op`, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +35,19 @@ FUZZ = int(os.environ.get("REMAT_FUZZ", "0"))
 def examples(n: int) -> settings:
     """Hypothesis settings for ``n`` examples (``n * REMAT_FUZZ`` fresh ones when fuzzing)."""
     return settings(max_examples=n * max(FUZZ, 1), deadline=None, derandomize=not FUZZ)
+
+
+@contextlib.contextmanager
+def another_thread_alive() -> Any:
+    """An idle thread for the block: regions then capture random numbers per op."""
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait)
+    idle.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        idle.join()
 
 
 DTYPE = torch.float64

@@ -27,6 +27,7 @@ from tests.helpers import (
     Pair,
     Program,
     TensorSpec,
+    another_thread_alive,
     assert_tree_equal,
     build,
     cases,
@@ -87,6 +88,16 @@ def test_nested_remat(mode: str, nesting: str, case: Case) -> None:
     """Regions inside regions, or several inside a plain fn, match fn with no region at all."""
     outer, inner = NESTINGS[nesting]
     _check(case, mode, outer, inner)
+
+
+@pytest.mark.parametrize("nesting", NESTINGS)
+@FEW
+@given(case=cases(required=("block", "inner_grad")), mode=st.sampled_from(MODES))
+def test_nested_remat_with_another_thread_alive(mode: str, nesting: str, case: Case) -> None:
+    """Nested regions and an inner autograd.grad, with another thread alive: fn's results."""
+    outer, inner = NESTINGS[nesting]
+    with another_thread_alive():
+        _check(case, mode, outer, inner)
 
 
 def _reused_layer(program: Program, seed: int, wrap: Callable[..., Any]) -> Instance:

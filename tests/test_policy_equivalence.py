@@ -32,6 +32,7 @@ from tests.helpers import (
     Case,
     Instance,
     Program,
+    another_thread_alive,
     assert_tree_equal,
     cases,
     custom_policies,
@@ -88,6 +89,15 @@ def _effect_cases(kind: str) -> st.SearchStrategy[Case]:
 def test_policy_matches_plain(policy: str, mode: str, case: Case) -> None:
     """Under every policy, remat(fn) gives fn's outputs and gradients bitwise in each mode."""
     _check(case, mode, POLICIES[policy])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@FEW
+@given(case=cases(kinds=ALL_KINDS, block_depth=0), mode=st.sampled_from(MODES))
+def test_policy_with_another_thread_alive(policy: str, mode: str, case: Case) -> None:
+    """With another thread alive (Jupyter, data loaders), each policy still gives fn's results."""
+    with another_thread_alive():
+        _check(case, mode, POLICIES[policy])
 
 
 @pytest.mark.parametrize("kind", EFFECT_KINDS)

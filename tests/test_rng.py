@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch.func import grad, vmap
 
 from remat import RecomputeError, remat
+from tests.helpers import another_thread_alive
 
 F = torch.nn.functional
 GEN_A = torch.Generator().manual_seed(11)
@@ -147,8 +149,9 @@ def test_recompute_happens_and_uses_forward_numbers(f):
     assert len(calls) == 2
 
 
-def test_nested_regions_replay_bitwise():
-    """Random ops in nested regions replay exactly, at every level."""
+@pytest.mark.parametrize("threads", ["alone", "another_thread_alive"])
+def test_nested_regions_replay_bitwise(threads):
+    """Random ops in nested regions replay exactly, at every level, with or without threads."""
 
     def inner(x):
         return F.dropout(x.exp(), 0.3) * torch.rand_like(x)
@@ -160,7 +163,9 @@ def test_nested_regions_replay_bitwise():
 
         return f
 
-    _assert_same(_eager_run(outer(inner)), _eager_run(remat(outer(remat(inner)))))
+    alive = another_thread_alive() if threads != "alone" else contextlib.nullcontext()
+    with alive:
+        _assert_same(_eager_run(outer(inner)), _eager_run(remat(outer(remat(inner)))))
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
