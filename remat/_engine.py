@@ -317,9 +317,10 @@ class Region:
         enabled = _torch_private.saved_tensors_hooks_enabled() if self.levels else _NOTHING
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         setting = self.setting
-        if setting.moded():
+        moded = setting.moded()
+        if moded:
             self.mode = OpMode(capture=setting.rng, keeper=self.keeper, trace=setting.trace)
-        rng = None if setting.moded() else setting.rng  # no mode: read generators around
+        rng = None if moded else setting.rng  # no mode: read generators around
         if rng is not None:
             rng.start(setting.generators)
         closures = self.levels.watch_closures(self.tensors)

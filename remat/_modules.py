@@ -47,12 +47,13 @@ _UPDATED: weakref.WeakKeyDictionary[Any, dict[bool | None, set[str]]] = weakref.
 
 
 def _learned(owner: Any) -> set[str] | None:
+    """What forwards of ``owner`` in its current training mode were seen to update."""
     return _UPDATED.get(owner, {}).get(getattr(owner, "training", None))
 
 
 def _learning(owner: Any) -> set[str]:
-    flag = getattr(owner, "training", None)
-    return _UPDATED.setdefault(owner, {}).setdefault(flag, set())
+    """The same set, made if needed, for a forward to add to."""
+    return _UPDATED.setdefault(owner, {}).setdefault(getattr(owner, "training", None), set())
 
 
 def _fsdp_module_type() -> type | None:
