@@ -123,6 +123,8 @@ def _kind(func: Any) -> int:
 
 
 def _version(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out._version
     return sum(t._version for t in _outputs(out))
 
 
@@ -290,6 +292,7 @@ class Keeper:
     """The forward side: signatures, the policy's decisions, and what the recompute needs."""
 
     __slots__ = (
+        "decided",
         "deps",
         "described",
         "error",
@@ -316,6 +319,8 @@ class Keeper:
 
     def __init__(self, policy: Policy, inputs: list[torch.Tensor], sources: bool = False) -> None:
         self.policy = policy
+        # op -> the policy's decision, for a policy that decides by the op alone
+        self.decided: dict[Any, Decision] | None = {} if policy.by_op else None
         self.ops: list[Any] = []
         self.deps: list[tuple[int, ...]] = []  # op index -> indices of the ops it read
         self.layouts: list[Any] = []  # op index -> output layouts, for placeholders
@@ -358,12 +363,17 @@ class Keeper:
             return
         if kind == _VIEW:
             return
-        try:
-            decision = self.policy.decide(func, lambda: OpCall(func, args, kwargs, out))
-        except TypeError as error:  # raised when the forward ends: an operator would mask it
-            self.error = self.error or error
-            return
-        self._apply(index, decision, out)
+        decision = self.decided.get(func) if self.decided is not None else None
+        if decision is None:
+            try:
+                decision = self.policy.decide(func, lambda: OpCall(func, args, kwargs, out))
+            except TypeError as error:  # raised when the forward ends: an operator would mask it
+                self.error = self.error or error
+                return
+            if self.decided is not None:
+                self.decided[func] = decision
+        if decision is not Decision.RECOMPUTE:
+            self._apply(index, decision, out)
 
     def tag(self, t: torch.Tensor, names: frozenset[str]) -> None:
         """`remat.name`: ask the policy again about the op that produced ``t``."""
@@ -377,12 +387,10 @@ class Keeper:
         decision = as_decision(self.policy, self.policy(OpCall(func, (), {}, t, names)), func)
         self.kept.pop(index, None)
         self.offload.pop(index, None)
-        if index not in self.roots and _kind(func) == _DECIDED:
+        if index not in self.roots and _kind(func) == _DECIDED and decision is not Decision.RECOMPUTE:
             self._apply(index, decision, t)
 
     def _apply(self, index: int, decision: Decision, out: Any) -> None:
-        if decision is Decision.RECOMPUTE:
-            return
         self.kept[index] = (out, _version(out))
         for t in _outputs(out):
             key = storage_key(t)

@@ -82,11 +82,13 @@ class Policy:
 
     ``keeps_everything`` marks a policy under which a region is just ``fn``;
     ``per_op`` says whether the engine must show the policy each op;
-    ``device`` is where `offload` moves what it keeps.
+    ``by_op`` says whether the decision depends on the op alone (the engine then asks
+    once per op and region); ``device`` is where `offload` moves what it keeps.
     """
 
     keeps_everything: bool = False
     per_op: bool = True
+    by_op: bool = False
     device: torch.device | None = None
 
     def __call__(self, call: OpCall) -> Decision | bool:
@@ -110,6 +112,7 @@ class _Named(Policy):
     name: str
     ops: frozenset[Any] = frozenset()
     keep: Decision = Decision.RECOMPUTE
+    by_op = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_op", bool(self.ops))
@@ -172,6 +175,7 @@ class save_ops(Policy):  # noqa: N801 - a policy factory, named like its sibling
     """
 
     ops: frozenset[Any]
+    by_op = True
 
     def __init__(self, *ops: Any) -> None:
         for op in ops:
@@ -241,6 +245,7 @@ class offload(Policy):  # noqa: N801
     def __init__(self, policy: Any, device: str | torch.device = "cpu") -> None:
         object.__setattr__(self, "policy", resolve(policy))
         object.__setattr__(self, "device", _device(device))
+        object.__setattr__(self, "by_op", self.policy.by_op)
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
         decision = self.policy.decide(op, call)
@@ -278,6 +283,7 @@ class _Combined(Policy):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", self.left.device or self.right.device)
+        object.__setattr__(self, "by_op", self.left.by_op and self.right.by_op)
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
         pick = max if self.symbol == "|" else min

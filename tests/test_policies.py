@@ -217,6 +217,27 @@ def test_save_matmuls_replays_matmuls_and_recomputes_the_rest():
     assert kept.counts["aten.native_layer_norm"] == 6
 
 
+def test_policy_deciding_by_op_is_asked_once_per_op_and_a_callable_every_time():
+    """Named policies decide by the op alone (asked once per op and region); a callable
+    combined with one is still shown every op call, with its own output."""
+    x = torch.randn(4, 4, requires_grad=True)
+    calls = []
+
+    def big(call):
+        calls.append(call.output.abs().max().item())
+        return calls[-1] > 1
+
+    def fn(x):
+        return ((x @ x).sin() @ x).cos().sum()
+
+    assert policies.save_matmuls.by_op and offload("save_matmuls").by_op
+    assert not (policies.save_matmuls | big).by_op
+    with torch.no_grad():
+        expected = [v.abs().max().item() for v in (x @ x, (x @ x).sin(), (x @ x).sin() @ x)]
+    torch.autograd.grad(remat(fn, policy=policies.save_matmuls | big)(x), x)
+    assert calls[:3] == expected
+
+
 def test_save_nothing_reruns_forward_matmuls():
     """Under save_nothing each block re-runs its matmuls, up to the last one (early stop)."""
     plain = _backward_counts(_block)
