@@ -387,7 +387,11 @@ class Keeper:
         decision = as_decision(self.policy, self.policy(OpCall(func, (), {}, t, names)), func)
         self.kept.pop(index, None)
         self.offload.pop(index, None)
-        if index not in self.roots and _kind(func) == _DECIDED and decision is not Decision.RECOMPUTE:
+        if (
+            index not in self.roots
+            and _kind(func) == _DECIDED
+            and decision is not Decision.RECOMPUTE
+        ):
             self._apply(index, decision, t)
 
     def _apply(self, index: int, decision: Decision, out: Any) -> None:
