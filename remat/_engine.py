@@ -276,7 +276,12 @@ class _Setting:
 
 
 class Region:
-    """One call of a remat'd function: its forward, and its recomputes."""
+    """One call of a remat'd function: the frame its forward and its recomputes share.
+
+    It holds the call and its inputs, what the forward packed (`_Pack`), and the
+    `_Setting` a recompute re-creates; `_Unpack` recomputes on a backward's first
+    unpack (`_rerun`, with `_RecomputePack` collecting the values).
+    """
 
     def __init__(
         self,
@@ -300,22 +305,20 @@ class Region:
         self.handles: list[weakref.ref[_Handle]] = []
         self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
         self.meta: list[_Meta] = []
-        self.passes: dict[int, dict[int, torch.Tensor]] = {}
-        self.given: dict[int, dict[int, _Given]] = {}
         self.saved_inputs: set[int] = set()
         self.setting = _Setting(inputs, modules, generators, policy, preserve_rng)
         self.levels, self.keeper = self.setting.levels, self.setting.keeper  # read everywhere
         self.mode: OpMode | None = None  # the forward's, while it runs
         self.running = False  # whether the forward runs
 
-    # The forward.
-
     def forward(self) -> Any:
+        # The hooks are not kept on the region: autograd's saved values own them.
+        pack, unpack = _Pack(self), _Unpack(self)
         running = _torch_private.region_running(
-            _Running(self, self._pack, self._fetch, bool(self.levels))
+            _Running(self, pack, unpack.fetch, bool(self.levels))
         )
         enabled = _torch_private.saved_tensors_hooks_enabled() if self.levels else _NOTHING
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         setting = self.setting
         moded = setting.moded()
         if moded:
@@ -333,10 +336,10 @@ class Region:
             if rng is not None:
                 rng.finish()
             self.mode = None
-            self._check_inputs(inside=True)
+            self.check_inputs(inside=True)
             if setting.modules is not None:
                 setting.modules.settle()
-            outer = self._enclosing()
+            outer = self.enclosing()
             if outer is not None:
                 self._hand_over_inputs(outer)
         if self.keeper is not None:
@@ -360,7 +363,7 @@ class Region:
         )
         self.tensors, self.inputs, self.versions = [], {}, []
 
-    def _inputs(self) -> tuple[Any, list[torch.Tensor]]:
+    def call_now(self) -> tuple[Any, list[torch.Tensor]]:
         """The call and its tensor inputs, fetched back from an outer region if handed over."""
         if self.tensors or not self.inputs_handed_over():
             return self.call, self.tensors
@@ -404,24 +407,7 @@ class Region:
                 if isinstance(t, torch.Tensor):
                     found.add(t, kind, op, name, where)
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        if self.inputs.get(id(t)) is t:
-            self.kinds.append(0)
-            outer = self._enclosing()
-            if outer is not None:
-                return _Outer(outer.pack, outer.unpack, t)
-            self.saved_inputs.add(id(t))
-            return _Kept(t, t._version)
-        handle = _Handle(len(self.handles))
-        if self.keeper is not None:
-            self.keeper.note_saved(t, handle.index)
-        self.kinds.append(1)
-        self.handles.append(weakref.ref(handle))
-        if self.check:
-            self.meta.append(_Meta.of(t))
-        return handle
-
-    def _enclosing(self) -> _Running | None:
+    def enclosing(self) -> _Running | None:
         """The forward or recompute running around this region's forward, at its levels.
 
         Under torch.func transforms the inner region keeps its inputs: autograd may
@@ -437,56 +423,7 @@ class Region:
                 return None if outer.under_transforms else outer
         return None
 
-    # Backward.
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        """Autograd's unpack hook: `_fetch`, then what functorch's own pass should see."""
-        value = self._fetch(packed)
-        if self.levels and not isinstance(packed, _Outer):
-            with quiet():
-                value = self.levels.for_backward(value)
-        if self.keeper is not None and self.mode is not None and isinstance(packed, _Handle):
-            self.keeper.handed_back(packed.index, value)  # inside our own forward
-        return value
-
-    def _fetch(self, packed: Any) -> torch.Tensor:
-        """The value behind what `_pack` returned (recomputing the region if needed)."""
-        if isinstance(packed, _Kept):
-            if packed.tensor._version != packed.version:
-                self._check_inputs()
-            return packed.tensor
-        if isinstance(packed, _Outer):
-            return packed.get()
-        key = _torch_private.current_graph_task_id()
-        values = self.passes.get(key) if key != -1 else None
-        if values is None:
-            values = self._recompute()
-            if key != -1:
-                self.passes[key] = values
-                # Weakly: a region whose nodes have all run must not outlive them.
-                _torch_private.queue_end_of_backward_callback(
-                    functools.partial(_end_pass, weakref.ref(self), key)
-                )
-        value = values.pop(packed.index, None)
-        if value is None:
-            value = self._unpacked_again(packed, key)
-        elif not self.levels and key != -1:
-            self.given.setdefault(key, {})[packed.index] = _Given(value)
-        return value
-
-    def _unpacked_again(self, packed: _Handle, key: int) -> torch.Tensor:
-        """A value unpacked twice in one pass (in-place ops on views can do this).
-
-        Values are released at their first unpack: a second one gets the same
-        memory back while autograd still holds it, or else is recomputed alone.
-        """
-        given = self.given.get(key, {}).get(packed.index)
-        value = given.get() if given is not None else None
-        if value is None:
-            value = self._recompute(only=packed.index)[packed.index]
-        return value
-
-    def _check_inputs(self, inside: bool = False) -> None:
+    def check_inputs(self, inside: bool = False) -> None:
         for i, (t, version) in enumerate(zip(self.tensors, self.versions, strict=True)):
             if t._version == version:
                 continue
@@ -505,92 +442,160 @@ class Region:
                 "Clone it before modifying it, or modify it after the backward.",
             )
 
-    def _recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
+
+class _Pack:
+    """The forward's pack hook: an input by reference, any other value as a `_Handle`."""
+
+    __slots__ = ("region",)
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        region = self.region
+        if region.inputs.get(id(t)) is t:
+            region.kinds.append(0)
+            outer = region.enclosing()
+            if outer is not None:
+                return _Outer(outer.pack, outer.unpack, t)
+            region.saved_inputs.add(id(t))
+            return _Kept(t, t._version)
+        handle = _Handle(len(region.handles))
+        if region.keeper is not None:
+            region.keeper.note_saved(t, handle.index)
+        region.kinds.append(1)
+        region.handles.append(weakref.ref(handle))
+        if region.check:
+            region.meta.append(_Meta.of(t))
+        return handle
+
+
+class _Unpack:
+    """The backward's unpack hook: the value behind what `_Pack` returned.
+
+    The first unpack of a handle in a backward pass recomputes every handle still
+    alive; the values wait, per pass, for their own unpack.
+    """
+
+    __slots__ = ("__weakref__", "given", "passes", "region")
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.passes: dict[int, dict[int, torch.Tensor]] = {}  # graph task -> handle -> value
+        self.given: dict[int, dict[int, _Given]] = {}  # graph task -> handle -> released value
+
+    def __call__(self, packed: Any) -> torch.Tensor:
+        """`fetch`, then what functorch's own pass should see."""
+        region = self.region
+        value = self.fetch(packed)
+        if region.levels and not isinstance(packed, _Outer):
+            with quiet():
+                value = region.levels.for_backward(value)
+        if region.keeper is not None and region.mode is not None and isinstance(packed, _Handle):
+            region.keeper.handed_back(packed.index, value)  # inside our own forward
+        return value
+
+    def fetch(self, packed: Any) -> torch.Tensor:
+        """The value behind ``packed`` (recomputing the region if needed)."""
+        if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                self.region.check_inputs()
+            return packed.tensor
+        if isinstance(packed, _Outer):
+            return packed.get()
+        key = _torch_private.current_graph_task_id()
+        values = self.passes.get(key) if key != -1 else None
+        if values is None:
+            values = self.recompute()
+            if key != -1:
+                self.passes[key] = values
+                # Weakly: a region whose nodes have all run must not outlive them.
+                _torch_private.queue_end_of_backward_callback(
+                    functools.partial(_end_pass, weakref.ref(self), key)
+                )
+        value = values.pop(packed.index, None)
+        if value is None:
+            value = self._again(packed, key)
+        elif not self.region.levels and key != -1:
+            self.given.setdefault(key, {})[packed.index] = _Given(value)
+        return value
+
+    def _again(self, packed: _Handle, key: int) -> torch.Tensor:
+        """A value unpacked twice in one pass (in-place ops on views can do this).
+
+        Values are released at their first unpack: a second one gets the same
+        memory back while autograd still holds it, or else is recomputed alone.
+        """
+        given = self.given.get(key, {}).get(packed.index)
+        value = given.get() if given is not None else None
+        if value is None:
+            value = self.recompute(only=packed.index)[packed.index]
+        return value
+
+    def recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
+        region = self.region
         if only is None:
-            needed = {i for i, ref in enumerate(self.handles) if ref() is not None}
+            needed = {i for i, ref in enumerate(region.handles) if ref() is not None}
         else:
             needed = {only}
         if not needed:
             return {}
-        self._check_inputs(inside=self.running)
-        forward = self.mode  # set while the forward runs: an ``autograd.grad`` inside ``fn``
+        region.check_inputs(inside=region.running)
+        forward = region.mode  # set while the forward runs: an ``autograd.grad`` inside ``fn``
         if forward is not None:
             forward.paused += 1
         try:
             try:
-                values = self._rerun(needed)
+                values = _rerun(region, needed)
             except Restart:
                 # A value the recompute skipped was read (outside aten, or by an op that did
                 # not match the forward's): run again, skipping nothing.
-                assert self.keeper is not None
-                self.keeper.stop_skipping()
-                values = self._rerun(needed)
+                assert region.keeper is not None
+                region.keeper.stop_skipping()
+                values = _rerun(region, needed)
         finally:
             if forward is not None:
                 forward.paused -= 1
-        if only is None and self.keeper is not None:
-            self.keeper.release()
+        if only is None and region.keeper is not None:
+            region.keeper.release()
         return values
 
-    def _rerun(self, needed: set[int]) -> dict[int, torch.Tensor]:
-        """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
-        with contextlib.ExitStack() as stack:
-            call, tensors = self._inputs()
-            call, pack = self.setting.recreate(
-                stack,
-                call,
-                tensors,
-                self,
-                functools.partial(_RecomputePack, self, needed),
-            )
-            replayer, trace = pack.replayer, pack.trace
-            try:
-                self.fn(*call[0], **call[1])
-            except _Stop:
-                pass
-            except Exception as error:
-                if replayer is not None and replayer.placeholders:  # ``.numpy()`` on one, say
-                    raise Restart from error
-                raise
-            if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
-                raise Restart
-            if pack.stopped:
-                return pack.values
-        missing = min(needed - pack.values.keys())
-        raise RecomputeError(
-            f"`remat`: the recompute rebuilt {len(pack.values)} of the {len(needed)} values "
-            f"backward needs; value #{missing}"
-            + (f" ({self.meta[missing]})" if self.check else "")
-            + " was never rebuilt. `fn` must run the same ops each time it is called."
-            + self._diff(trace)
+
+def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:
+    alive = unpack()
+    if alive is not None:
+        alive.passes.pop(key, None)
+        alive.given.pop(key, None)
+
+
+def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
+    """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
+    with contextlib.ExitStack() as stack:
+        call, tensors = region.call_now()
+        call, pack = region.setting.recreate(
+            stack, call, tensors, region, functools.partial(_RecomputePack, region, needed)
         )
-
-    def compare(
-        self, i: int, t: torch.Tensor, trace: list[TraceEntry] | None, producers: bool
-    ) -> None:
-        """Raise if the recompute's value #i does not look like the forward's."""
-        # Inputs re-wrapped at re-created levels have no history there: skip producers.
-        meta = _Meta.of(t)
-        if i >= len(self.meta):
-            raise RecomputeError(
-                f"`remat`: the recompute saved more values than the forward ({len(self.meta)}); "
-                f"the extra one is {meta}. `fn` must run the same ops each time it is called."
-                + self._diff(trace)
-            )
-        if not meta.same(self.meta[i], producers):
-            raise RecomputeError(
-                f"`remat`: the recompute diverged from the forward at saved value #{i}. "
-                f"Forward: {self.meta[i]}. Recompute: {meta}. `fn` must run the same ops on "
-                "the same shapes each time it is called. Run the forward inside "
-                "`remat.debug()` to see both op sequences, or pass `check='none'` to skip "
-                "this comparison." + self._diff(trace)
-            )
-
-    def _diff(self, trace: list[TraceEntry] | None) -> str:
-        forward = self.setting.trace
-        if forward is None or trace is None:
-            return ""
-        return "\nOp sequences (forward | recompute):\n" + diff_traces(forward, trace)
+        replayer = pack.replayer
+        try:
+            region.fn(*call[0], **call[1])
+        except _Stop:
+            pass
+        except Exception as error:
+            if replayer is not None and replayer.placeholders:  # ``.numpy()`` on one, say
+                raise Restart from error
+            raise
+        if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
+            raise Restart
+        if pack.stopped:
+            return pack.values
+    missing = min(needed - pack.values.keys())
+    raise RecomputeError(
+        f"`remat`: the recompute rebuilt {len(pack.values)} of the {len(needed)} values "
+        f"backward needs; value #{missing}"
+        + (f" ({region.meta[missing]})" if region.check else "")
+        + " was never rebuilt. `fn` must run the same ops each time it is called."
+        + pack.diff()
+    )
 
 
 class _RecomputePack:
@@ -627,7 +632,7 @@ class _RecomputePack:
             if index is None:
                 return t
             if self.region.check:
-                self.region.compare(index, t, self.trace, self.producers)
+                self._compare(index, t)
             value = self.keep(t)
             if self.replayer is not None:
                 self.replayer.handed_back(value)
@@ -647,12 +652,32 @@ class _RecomputePack:
         self.count += 1
         return self.count - 1
 
+    def _compare(self, i: int, t: torch.Tensor) -> None:
+        """Raise if the recompute's value #i does not look like the forward's."""
+        # Inputs re-wrapped at re-created levels have no history there: skip producers.
+        forward = self.region.meta
+        meta = _Meta.of(t)
+        if i >= len(forward):
+            raise RecomputeError(
+                f"`remat`: the recompute saved more values than the forward ({len(forward)}); "
+                f"the extra one is {meta}. `fn` must run the same ops each time it is called."
+                + self.diff()
+            )
+        if not meta.same(forward[i], self.producers):
+            raise RecomputeError(
+                f"`remat`: the recompute diverged from the forward at saved value #{i}. "
+                f"Forward: {forward[i]}. Recompute: {meta}. `fn` must run the same ops on "
+                "the same shapes each time it is called. Run the forward inside "
+                "`remat.debug()` to see both op sequences, or pass `check='none'` to skip "
+                "this comparison." + self.diff()
+            )
 
-def _end_pass(region: weakref.ref[Region], key: int) -> None:
-    alive = region()
-    if alive is not None:
-        alive.passes.pop(key, None)
-        alive.given.pop(key, None)
+    def diff(self) -> str:
+        """Both op sequences, under `remat.debug`."""
+        forward = self.region.setting.trace
+        if forward is None or self.trace is None:
+            return ""
+        return "\nOp sequences (forward | recompute):\n" + diff_traces(forward, self.trace)
 
 
 def _identity(x: Any) -> Any:
