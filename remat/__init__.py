@@ -3,6 +3,9 @@
 from . import _torch_private
 from . import memory as memory
 from . import policies as policies
+from ._apply import apply as apply
+from ._apply import checkpoint as checkpoint
+from ._apply import unapply as unapply
 from ._errors import RecomputeError as RecomputeError
 from ._errors import debug as debug
 from ._introspect import Residual as Residual
@@ -14,6 +17,8 @@ from ._transform import remat as remat
 __all__ = [
     "RecomputeError",
     "Residual",
+    "apply",
+    "checkpoint",
     "debug",
     "memory",
     "name",
@@ -21,6 +26,7 @@ __all__ = [
     "print_saved_residuals",
     "remat",
     "saved_residuals",
+    "unapply",
 ]
 __version__ = "0.1.0"
 

@@ -127,6 +127,9 @@ class _Named(Policy):
     def __repr__(self) -> str:
         return self.name
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return resolve, (self.name,)
+
 
 _NO_BATCH = frozenset({aten.mm, aten.addmm, aten.mv, aten.addmv, aten.dot, aten.vdot})
 _BATCHED = frozenset(
@@ -190,6 +193,21 @@ class save_ops(Policy):  # noqa: N801 - a policy factory, named like its sibling
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
         return Decision.SAVE if _matches(op, self.ops) else Decision.RECOMPUTE
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # aten operators do not pickle; their names do (a pickled model keeps its policy).
+        return _save_ops_named, tuple(sorted(str(op) for op in self.ops))
+
+
+def _save_ops_named(*names: str) -> save_ops:
+    """`save_ops` of the operators named like ``aten.mm`` or ``aten.mm.default``."""
+    ops = []
+    for name in names:
+        op: Any = torch.ops
+        for part in name.split("."):
+            op = getattr(op, part)
+        ops.append(op)
+    return save_ops(*ops)
 
 
 def _check_names(factory: str, names: tuple[str, ...]) -> frozenset[str]:

@@ -1,0 +1,232 @@
+"""Models: `apply` makes submodules rematerialize; `checkpoint` is torch's call, done by remat."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ._transform import PolicyLike, remat
+
+__all__ = ["apply", "checkpoint", "unapply"]
+
+_M = TypeVar("_M", bound=torch.nn.Module)
+Where = None | type | tuple[type, ...] | Callable[[str, torch.nn.Module], bool]
+
+
+class _Forward:
+    """A module's ``forward``, rematerializing; `apply` stores it on the module itself.
+
+    It holds the module, so ``copy.deepcopy`` and pickle give the copy a forward of
+    the copy's own (a bound method, or a closure over one, would point back to the
+    original). It calls the class's ``forward`` at each call, so a wrapper that swaps
+    the module's class (FSDP2's ``fully_shard``) stays in the path; a ``forward`` set
+    on the instance before (``inner``) is called instead, and put back by `unapply`.
+    """
+
+    __slots__ = ("inner", "module", "options")
+
+    def __init__(
+        self, module: torch.nn.Module, options: dict[str, Any], inner: Callable[..., Any] | None
+    ) -> None:
+        self.module, self.options, self.inner = module, options, inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.inner or type(self.module).forward.__get__(self.module)
+        return remat(forward, **self.options)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"remat({type(self.module).__name__}.forward, {options})"
+
+
+def _checkpointing_layer() -> type | None:
+    """Hugging Face's layer base class, if transformers is loaded (it is never imported)."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    return getattr(layers, "GradientCheckpointingLayer", None)
+
+
+def apply(
+    model: _M,
+    where: Where = None,
+    *,
+    policy: PolicyLike = "save_nothing",
+    preserve_rng: bool = True,
+    check: Literal["shapes", "none"] = "shapes",
+) -> _M:
+    """Make the submodules of ``model`` that match ``where`` rematerialize, in place.
+
+    Each matching module's forward becomes a remat region (its forward hooks stay
+    outside it). Parameter and buffer names do not change, and neither does
+    ``state_dict()``; ``copy.deepcopy``, pickle and ``torch.save`` give an independent
+    model that still rematerializes. Applying again replaces the options; `unapply`
+    undoes it. A match inside another match is left alone: its outermost match
+    recomputes it already.
+
+    Hugging Face layers (``GradientCheckpointingLayer``) are switched to remat through
+    their own checkpointing hook: they rematerialize in training only, and drop the
+    KV cache there as Hugging Face's own checkpointing does (``use_cache=False``).
+
+    Args:
+        model: the model; it is changed in place and returned.
+        where: which submodules: ``None`` (the model itself), an ``nn.Module``
+            subclass or a tuple of them, or a callable ``(qualified_name, module) -> bool``.
+        policy, preserve_rng, check: as for `remat`.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``where`` has the wrong type.
+        ValueError: ``where`` matches no submodule.
+
+    Examples:
+        >>> import torch, remat
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        >>> remat.apply(model, torch.nn.Linear, policy="save_matmuls") is model
+        True
+        >>> model(torch.randn(2, 4)).sum().backward()
+    """
+    remat(_identity, policy=policy, preserve_rng=preserve_rng, check=check)  # checks them now
+    options: dict[str, Any] = {"policy": policy, "preserve_rng": preserve_rng, "check": check}
+    layer = _checkpointing_layer()
+    for module in _matching(model, where, "apply"):
+        if layer is not None and isinstance(module, layer):
+            # Hugging Face's own switch: its layer then calls `checkpoint` without the cache.
+            hf: Any = module
+            hf._gradient_checkpointing_func = functools.partial(checkpoint, **options)
+            hf.gradient_checkpointing = True
+        else:
+            inner = module.__dict__.get("forward")
+            if isinstance(inner, _Forward):
+                inner = inner.inner
+            module.forward = _Forward(module, options, inner)
+    return model
+
+
+def unapply(model: _M, where: Where = None) -> _M:
+    """Undo `apply` on the submodules that match ``where`` (default: all of them).
+
+    Hugging Face layers are left with their checkpointing off.
+    """
+    layer = _checkpointing_layer()
+    test = (lambda *_: True) if where is None else where
+    for module in _matching(model, test, "unapply", outermost=False, required=False):
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, _Forward):
+            del module.forward
+            if forward.inner is not None:
+                module.forward = forward.inner
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if layer is not None and isinstance(func, functools.partial) and func.func is checkpoint:
+            hf: Any = module
+            del hf._gradient_checkpointing_func
+            hf.gradient_checkpointing = False
+    return model
+
+
+def _matching(
+    model: torch.nn.Module,
+    where: Where,
+    caller: str,
+    outermost: bool = True,
+    required: bool = True,
+) -> list[torch.nn.Module]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"`remat.{caller}`: `model` must be an nn.Module, got {type(model).__name__}. "
+            "To rematerialize a function, use `remat.remat(fn)`."
+        )
+    test = _test(where, caller)
+    found: list[torch.nn.Module] = []
+    prefixes: list[str] = []  # of the matches' submodules' names
+    for qualified, module in model.named_modules():
+        if outermost and any(qualified.startswith(prefix) for prefix in prefixes):
+            continue
+        if test(qualified, module):
+            found.append(module)
+            prefixes.append(f"{qualified}." if qualified else "")
+    if required and not found:
+        kinds = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"`remat.{caller}`: `where={where!r}` matches no submodule of the model. "
+            f"Its module classes are: {', '.join(kinds)}."
+        )
+    return found
+
+
+def _test(where: Where, caller: str) -> Callable[[str, torch.nn.Module], bool]:
+    if where is None:
+        return lambda qualified, _: qualified == ""
+    classes: tuple[Any, ...] = where if isinstance(where, tuple) else (where,)
+    if all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        return lambda _, module: isinstance(module, classes)
+    if callable(where) and not isinstance(where, (type, tuple)):
+        return lambda qualified, module: bool(where(qualified, module))
+    raise TypeError(
+        f"`remat.{caller}`: `where` must be None, an nn.Module subclass or a tuple of them, "
+        f"or a callable (qualified_name, module) -> bool; got {where!r}."
+    )
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    policy: PolicyLike = "save_nothing",
+    use_reentrant: bool | None = None,
+    context_fn: Any = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``,
+    done by remat: ``remat(function, policy=policy)(*args, **kwargs)``.
+
+    It takes torch's keyword options: ``preserve_rng_state`` (remat's
+    ``preserve_rng``), ``determinism_check`` (``"default"`` is ``check="shapes"``,
+    ``"none"`` is ``check="none"``), ``debug`` (runs under `remat.debug`), and
+    ``early_stop`` (remat always stops early; ``False`` changes no value, so it is
+    accepted and ignored). Every other keyword goes to ``function``. It works as the
+    ``checkpoint_fn`` of torch's ``checkpoint_wrapper``.
+
+    Raises:
+        ValueError: ``use_reentrant=True``, ``context_fn``, or an unknown
+            ``determinism_check``: each names what to use instead.
+    """
+    if use_reentrant:
+        raise ValueError(
+            "`remat.checkpoint`: `use_reentrant=True` is torch's older autograd.Function "
+            "checkpoint, which remat does not emulate. Drop the argument (remat is "
+            "non-reentrant, like `use_reentrant=False`)."
+        )
+    if context_fn is not None:
+        raise ValueError(
+            "`remat.checkpoint`: `context_fn` (torch's selective checkpointing) is not "
+            "supported; pass `policy=` instead, for example `policy='save_matmuls'` or "
+            "`remat.policies.save_ops(...)` (see remat.policies)."
+        )
+    checks: dict[str, Literal["shapes", "none"]] = {"default": "shapes", "none": "none"}
+    if determinism_check not in checks:
+        raise ValueError(
+            f"`remat.checkpoint`: `determinism_check` must be 'default' or 'none', got "
+            f"{determinism_check!r}."
+        )
+    wrapped = remat(
+        function,
+        policy=policy,
+        preserve_rng=bool(preserve_rng_state),
+        check=checks[determinism_check],
+    )
+    if debug:
+        from ._errors import debug as debugging
+
+        with debugging():
+            return wrapped(*args, **kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def _identity(x: Any) -> Any:
+    return x
