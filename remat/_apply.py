@@ -88,8 +88,12 @@ def apply(
         True
         >>> model(torch.randn(2, 4)).sum().backward()
     """
-    remat(_identity, policy=policy, preserve_rng=preserve_rng, check=check)  # checks them now
-    options: dict[str, Any] = {"policy": policy, "preserve_rng": preserve_rng, "check": check}
+    checked = remat(_identity, policy=policy, preserve_rng=preserve_rng, check=check)
+    options: dict[str, Any] = {
+        "policy": checked.policy,
+        "preserve_rng": preserve_rng,
+        "check": check,
+    }
     layer = _checkpointing_layer()
     for module in _matching(model, where, "apply"):
         if layer is not None and isinstance(module, layer):
@@ -149,8 +153,9 @@ def _matching(
             prefixes.append(f"{qualified}." if qualified else "")
     if required and not found:
         kinds = sorted({type(m).__name__ for m in model.modules()})
+        shown = where.__name__ if isinstance(where, type) else repr(where)
         raise ValueError(
-            f"`remat.{caller}`: `where={where!r}` matches no submodule of the model. "
+            f"`remat.{caller}`: `where={shown}` matches no submodule of the model. "
             f"Its module classes are: {', '.join(kinds)}."
         )
     return found
