@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from ._policies import resolve
 from ._transform import PolicyLike, remat
 
 __all__ = ["apply", "checkpoint", "unapply"]
@@ -88,12 +89,9 @@ def apply(
         True
         >>> model(torch.randn(2, 4)).sum().backward()
     """
-    checked = remat(_identity, policy=policy, preserve_rng=preserve_rng, check=check)
-    options: dict[str, Any] = {
-        "policy": checked.policy,
-        "preserve_rng": preserve_rng,
-        "check": check,
-    }
+    options: dict[str, Any] = {"policy": resolve(policy), "preserve_rng": preserve_rng}
+    options["check"] = check
+    remat(_identity, **options)  # checks the options now, not at the first call
     layer = _checkpointing_layer()
     for module in _matching(model, where, "apply"):
         if layer is not None and isinstance(module, layer):
