@@ -89,8 +89,11 @@ def apply(
         True
         >>> model(torch.randn(2, 4)).sum().backward()
     """
-    options: dict[str, Any] = {"policy": resolve(policy), "preserve_rng": preserve_rng}
-    options["check"] = check
+    options: dict[str, Any] = {
+        "policy": resolve(policy),
+        "preserve_rng": preserve_rng,
+        "check": check,
+    }
     remat(_identity, **options)  # checks the options now, not at the first call
     layer = _checkpointing_layer()
     for module in _matching(model, where, "apply"):
