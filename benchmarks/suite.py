@@ -63,10 +63,26 @@ def modes() -> tuple[dict[str, Checkpoint], str | None]:
     }
     if importlib.util.find_spec("torch_remat") is None:
         return found, "torch_remat is not installed (`pip install torch-remat`): left out."
-    import torch_remat  # pragma: no cover - an optional peer, not installed in CI
+    import torch_remat
 
-    found["torch_remat"] = lambda block: torch_remat.remat(block)  # pragma: no cover
+    # Its whole-block checkpoint. It refuses `preserve_rng_state`; its documented way
+    # to replay the RNG (dropout) is a state hook, as here.
+    wrap = torch_remat.checkpoint(recompute_state_hooks=(_RngState(),))
+    found["torch_remat"] = wrap
     return found, None
+
+
+class _RngState:
+    """torch_remat's `RecomputeStateHook` for the default CPU and CUDA generators."""
+
+    def snapshot(self) -> Any:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return torch.get_rng_state(), cuda
+
+    def restore(self, state: Any) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state_all(state[1])
 
 
 @dataclasses.dataclass
