@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import random
 import statistics
@@ -292,6 +293,59 @@ def per_sample_workload(
     return [*rows, note]
 
 
+def placement_workload(depth: int, width: int, points: int, device: torch.device) -> list[Row]:
+    """Where the region goes under nested reverse mode: a physics-informed loss.
+
+    The loss of Burgers' equation needs ``u``'s first and second derivatives, taken
+    with ``create_graph=True`` inside the loss; its backward then differentiates
+    through them. Wrapping each layer keeps every layer's double-backward graph;
+    wrapping the whole residual function keeps only its input.
+    """
+    generator = torch.Generator().manual_seed(3)
+    sizes = [2] + [width] * depth + [1]
+    weights = [
+        (torch.randn(m, n, generator=generator) / m**0.5).to(device).requires_grad_()
+        for m, n in itertools.pairwise(sizes)
+    ]
+    points_xt = torch.rand(points, 2, generator=generator).to(device)
+
+    def layer(h: Tensor, w: Tensor) -> Tensor:
+        return torch.tanh(h @ w)
+
+    def residual(xt: Tensor, each: Callable[[Block], Block]) -> Tensor:
+        xt = xt.detach().requires_grad_()
+        h = xt
+        for w in weights[:-1]:
+            h = each(layer)(h, w)
+        u = h @ weights[-1]
+        du = torch.autograd.grad(u.sum(), xt, create_graph=True)[0]
+        u_x, u_t = du[:, :1], du[:, 1:]
+        u_xx = torch.autograd.grad(u_x.sum(), xt, create_graph=True)[0][:, :1]
+        return (u_t + u * u_x - 0.01 * u_xx).square().mean()
+
+    def as_is(fn: Block) -> Block:
+        return fn
+
+    steps = {
+        "plain": functools.partial(residual, points_xt, as_is),
+        "remat each layer": functools.partial(residual, points_xt, remat.remat),
+        "remat the residual": functools.partial(remat.remat(residual), points_xt, as_is),
+    }
+    rows, reference = [], None
+    for mode, step in steps.items():
+        held, peak, loss = _measure_memory(step, device)
+        grads = [w.grad for w in weights]
+        reference = reference or (loss, grads)
+        same = torch.equal(loss, reference[0]) and all(
+            torch.equal(a, b) for a, b in zip(grads, reference[1], strict=True)
+        )
+        for w in weights:
+            w.grad = None
+        workload = f"placement: Burgers residual (2nd derivatives), {depth} x {width}"
+        rows.append(Row(workload, mode, held, peak, same_loss=same))
+    return rows
+
+
 def overhead(repeat: int) -> dict[str, float]:
     """Microseconds per call (forward and backward) of a tiny region."""
     x = torch.randn(8, requires_grad=True)
@@ -494,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     per_sample = per_sample_workload(depth, width // 2, hidden // 2, 16, seq, device)
     note = per_sample.pop()
     rows += per_sample
+    rows += placement_workload(2 if args.smoke else 6, width, 64 if args.smoke else 2048, device)
 
     micro = overhead(3 if args.smoke else 15) if device.type == "cpu" else {}
     rng = (
