@@ -1,0 +1,309 @@
+"""Hugging Face models under `remat.apply`: loss and gradients bitwise equal to plain's.
+
+Each model is a tiny random-init one (no download), called the way a training loop
+calls it: ``model(input_ids=ids, labels=ids)`` in train mode, with the config's
+``use_cache=True`` left as it is, so the layers must drop the KV cache as Hugging
+Face's own checkpointing does. Float32: the MoE experts' grouped matmul has no
+float64 kernel on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad
+
+import remat
+
+pytest.importorskip("transformers")
+
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+BATCH, SEQ, VOCAB = 2, 16, 128
+LR = 0.1
+POLICIES = ["save_nothing", "save_matmuls"]
+
+# remat.apply sets `gradient_checkpointing` on the matched layers only, where Hugging
+# Face's own switch sets it on every module that has it. GPT2Model reads its own flag
+# to stop passing its KV cache to the blocks (positionally, so the blocks' switch
+# cannot drop it): the blocks update the cache, and each recompute updates it again.
+GPT2_CACHE = pytest.mark.xfail(
+    strict=True,
+    reason="remat.apply leaves GPT2Model.gradient_checkpointing off: the blocks get the "
+    "KV cache and the recompute updates it a second time",
+)
+
+
+class Case(NamedTuple):
+    build: Callable[[], nn.Module]
+    layer: type[GradientCheckpointingLayer]
+
+
+def _llama() -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return Case(lambda: LlamaForCausalLM(config), LlamaDecoderLayer)
+
+
+def _gpt2() -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return Case(lambda: GPT2LMHeadModel(config), GPT2Block)
+
+
+def _mixtral() -> Case:
+    """Top-2 of 4 experts, with the router's auxiliary loss in ``loss``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+    )
+    return Case(lambda: MixtralForCausalLM(config), MixtralDecoderLayer)
+
+
+def _qwen2_moe() -> Case:
+    """Top-2 of 4 experts and a shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return Case(lambda: Qwen2MoeForCausalLM(config), Qwen2MoeDecoderLayer)
+
+
+CASES = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
+# Every model; and every model and policy. GPT-2 fails where its blocks get the cache.
+NAMES = [pytest.param(n, marks=GPT2_CACHE if n == "gpt2" else ()) for n in CASES]
+NAMES_POLICIES = [
+    pytest.param(n, p, marks=GPT2_CACHE if (n, p) == ("gpt2", "save_matmuls") else ())
+    for n in CASES
+    for p in POLICIES
+]
+
+
+def _model(name: str) -> tuple[nn.Module, type[GradientCheckpointingLayer]]:
+    """A fresh ``name`` model in train mode, the same weights every time, and its layer class."""
+    case = CASES[name]()
+    torch.manual_seed(0)
+    return case.build().train(), case.layer
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@contextlib.contextmanager
+def _layer_calls(model: nn.Module, layer: type) -> Iterator[list[int]]:
+    """How many times each ``layer``'s body ran (a hook on its first submodule)."""
+    layers = [m for m in model.modules() if isinstance(m, layer)]
+    calls = [0] * len(layers)
+
+    def counter(i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            calls[i] += 1
+
+        return hook
+
+    handles = [next(m.children()).register_forward_hook(counter(i)) for i, m in enumerate(layers)]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _train(model: nn.Module, steps: int = 2) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``steps`` SGD steps on the default training call; each step's loss and gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    ids, history = _ids(), []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)  # the same dropout masks for every model
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        history.append((loss.detach(), grads))
+        optimizer.step()
+    return history
+
+
+def _functional_train(model: nn.Module, steps: int = 2) -> list[dict[str, torch.Tensor]]:
+    """``steps`` SGD steps with `torch.func.grad` of a loss of the parameters; each step's grads."""
+    ids = _ids()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def loss(params: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        torch.manual_seed(100 + step)
+        return functional_call(model, params, (), {"input_ids": ids, "labels": ids}).loss
+
+    history = []
+    for step in range(steps):
+        grads = grad(loss)(params, step)
+        history.append(grads)
+        params = {k: p - LR * grads[k] for k, p in params.items()}
+    return history
+
+
+def _assert_same(plain: Any, other: Any) -> None:
+    """Equal structure, and every tensor bitwise equal."""
+    if isinstance(plain, torch.Tensor):
+        assert torch.equal(plain, other)
+    elif isinstance(plain, dict):
+        assert plain.keys() == other.keys()
+        for key in plain:
+            _assert_same(plain[key], other[key])
+    else:
+        assert len(plain) == len(other)
+        for a, b in zip(plain, other, strict=True):
+            _assert_same(a, b)
+
+
+def _held(model: nn.Module) -> int:
+    """Bytes the training forward allocates and still holds when it returns (then backward)."""
+    ids = _ids()
+    torch.manual_seed(100)
+    with remat.memory.track() as memory:
+        out = model(input_ids=ids, labels=ids)
+    held = memory.live
+    out.loss.backward()
+    return held
+
+
+def _copy(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize(("name", "policy"), NAMES_POLICIES)
+def test_training_steps_equal_plain(name, policy):
+    """Two SGD steps of the default training call: losses and gradients bitwise plain's."""
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer, policy=policy)
+    with _layer_calls(model, layer) as calls:
+        history = _train(model)
+    _assert_same(_train(plain), history)
+    assert calls == [4, 4]  # a forward and a recompute per step
+
+
+@pytest.mark.parametrize(("name", "policy"), NAMES_POLICIES)
+def test_functional_grad_equals_plain(name, policy):
+    """`functional_call` under `torch.func.grad`, two steps: gradients bitwise plain's."""
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer, policy=policy)
+    with _layer_calls(model, layer) as calls:
+        history = _functional_train(model)
+    _assert_same(_functional_train(plain), history)
+    assert calls == [4, 4]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_drops_the_kv_cache_in_training(name, policy):
+    """The training call returns no filled KV cache, as under Hugging Face's checkpointing."""
+    model, layer = _model(name)
+    remat.apply(model, layer, policy=policy)
+    ids = _ids()
+    out = model(input_ids=ids, labels=ids)
+    cache = out.past_key_values
+    assert cache is None or cache.get_seq_length() == 0
+    out.loss.backward()
+    assert cache is None or cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_holds_at_most_hf_checkpointing(name):
+    """Held after the forward: save_nothing at most HF checkpointing, save_matmuls below plain."""
+    model, layer = _model(name)
+    hf = copy.deepcopy(model)
+    hf.activation_checkpointing_enable()
+    plain = _held(copy.deepcopy(model))
+    nothing = _held(remat.apply(copy.deepcopy(model), layer, policy="save_nothing"))
+    matmuls = _held(remat.apply(copy.deepcopy(model), layer, policy="save_matmuls"))
+    assert nothing <= _held(hf)
+    assert nothing < matmuls < plain
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_copy_rematerializes_and_trains_alone(name, how):
+    """A copy of an applied model recomputes, trains bitwise like plain, and leaves the original."""
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer)
+    copied = _copy(model, how)
+    with _layer_calls(copied, layer) as calls:
+        history = _train(copied)
+    _assert_same(_train(plain), history)
+    assert calls == [4, 4]
+    assert all(p.grad is not None for p in copied.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_unapply_restores_plain(name):
+    """After `unapply`, layers run once per step, hold what plain holds, and keep the cache."""
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    remat.unapply(remat.apply(model, layer, policy="save_matmuls"))
+    assert not any(m.gradient_checkpointing for m in model.modules() if isinstance(m, layer))
+    with _layer_calls(model, layer) as calls:
+        history = _train(model)
+    _assert_same(_train(plain), history)
+    assert calls == [2, 2]
+    assert _held(model) == _held(plain)
+    ids = _ids()
+    assert model(input_ids=ids).past_key_values.get_seq_length() == SEQ
