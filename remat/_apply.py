@@ -68,8 +68,9 @@ def apply(
     recomputes it already.
 
     Hugging Face layers (``GradientCheckpointingLayer``) are switched to remat through
-    their own checkpointing hook: they rematerialize in training only, and drop the
-    KV cache there as Hugging Face's own checkpointing does (``use_cache=False``).
+    their own checkpointing switch, as are the models above them that have it: they
+    rematerialize in training only, and drop the KV cache there as Hugging Face's own
+    checkpointing does (``use_cache=False``).
 
     Args:
         model: the model; it is changed in place and returned.
@@ -95,14 +96,16 @@ def apply(
         "check": check,
     }
     remat(_identity, **options)  # checks the options now, not at the first call
-    layer = _checkpointing_layer()
-    for module in _matching(model, where, "apply"):
-        if layer is not None and isinstance(module, layer):
-            # Hugging Face's own switch: its layer then calls `checkpoint` without the cache.
-            hf: Any = module
-            hf._gradient_checkpointing_func = functools.partial(checkpoint, **options)
-            hf.gradient_checkpointing = True
-        else:
+    matches = _matching(model, where, "apply")
+    switched = _hugging_face(model, matches)
+    for module in switched:
+        # Hugging Face's own switch, as `activation_checkpointing_enable` sets it: the
+        # layers call `checkpoint`, and they and the models above them drop the cache.
+        hf: Any = module
+        hf._gradient_checkpointing_func = functools.partial(checkpoint, **options)
+        hf.gradient_checkpointing = True
+    for module in matches:
+        if not any(module is m for m in switched):
             inner = module.__dict__.get("forward")
             if isinstance(inner, _Forward):
                 inner = inner.inner
@@ -115,20 +118,38 @@ def unapply(model: _M, where: Where = None) -> _M:
 
     Hugging Face layers are left with their checkpointing off.
     """
-    layer = _checkpointing_layer()
     test = (lambda *_: True) if where is None else where
-    for module in _matching(model, test, "unapply", outermost=False, required=False):
+    matches = _matching(model, test, "unapply", outermost=False, required=False)
+    for module in matches:
         forward = module.__dict__.get("forward")
         if isinstance(forward, _Forward):
             del module.forward
             if forward.inner is not None:
                 module.forward = forward.inner
+    for module in _hugging_face(model, matches):
         func = module.__dict__.get("_gradient_checkpointing_func")
-        if layer is not None and isinstance(func, functools.partial) and func.func is checkpoint:
+        if isinstance(func, functools.partial) and func.func is checkpoint:
             hf: Any = module
             del hf._gradient_checkpointing_func
             hf.gradient_checkpointing = False
     return model
+
+
+def _hugging_face(model: torch.nn.Module, matches: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The Hugging Face layers among ``matches``, and the modules above them with the same
+    switch (a model drops the KV cache by its own flag: GPT-2 passes it positionally)."""
+    layer = _checkpointing_layer()
+    if layer is None:
+        return []
+    layers = {id(m) for m in matches if isinstance(m, layer)}
+    if not layers:
+        return []
+    return [
+        m
+        for m in model.modules()
+        if id(m) in layers
+        or (hasattr(m, "gradient_checkpointing") and any(id(s) in layers for s in m.modules()))
+    ]
 
 
 def _matching(

@@ -30,16 +30,6 @@ BATCH, SEQ, VOCAB = 2, 16, 128
 LR = 0.1
 POLICIES = ["save_nothing", "save_matmuls"]
 
-# remat.apply sets `gradient_checkpointing` on the matched layers only, where Hugging
-# Face's own switch sets it on every module that has it. GPT2Model reads its own flag
-# to stop passing its KV cache to the blocks (positionally, so the blocks' switch
-# cannot drop it): the blocks update the cache, and each recompute updates it again.
-GPT2_CACHE = pytest.mark.xfail(
-    strict=True,
-    reason="remat.apply leaves GPT2Model.gradient_checkpointing off: the blocks get the "
-    "KV cache and the recompute updates it a second time",
-)
-
 
 class Case(NamedTuple):
     build: Callable[[], nn.Module]
@@ -120,12 +110,16 @@ def _qwen2_moe() -> Case:
 
 
 CASES = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
-# Every model; and every model and policy. GPT-2 fails where its blocks get the cache.
-NAMES = [pytest.param(n, marks=GPT2_CACHE if n == "gpt2" else ()) for n in CASES]
-NAMES_POLICIES = [
-    pytest.param(n, p, marks=GPT2_CACHE if (n, p) == ("gpt2", "save_matmuls") else ())
-    for n in CASES
-    for p in POLICIES
+# Every model; and every model and policy. GPT-2's base model passes the KV cache to
+# its blocks positionally and drops it by its own flag, which `apply` must set too.
+NAMES = list(CASES)
+NAMES_POLICIES = [(n, p) for n in CASES for p in POLICIES]
+# Under torch.func.grad, GPT-2's attention reads the `.device` of a value save_matmuls
+# skipped (a meta placeholder) for a factory call: the recompute restarts once.
+RESTARTS = pytest.mark.xfail(strict=True, reason="a skipped value's .device reads 'meta'")
+FUNCTIONAL = [
+    pytest.param(n, p, marks=RESTARTS if (n, p) == ("gpt2", "save_matmuls") else ())
+    for n, p in NAMES_POLICIES
 ]
 
 
@@ -238,7 +232,7 @@ def test_training_steps_equal_plain(name, policy):
     assert calls == [4, 4]  # a forward and a recompute per step
 
 
-@pytest.mark.parametrize(("name", "policy"), NAMES_POLICIES)
+@pytest.mark.parametrize(("name", "policy"), FUNCTIONAL)
 def test_functional_grad_equals_plain(name, policy):
     """`functional_call` under `torch.func.grad`, two steps: gradients bitwise plain's."""
     model, layer = _model(name)
