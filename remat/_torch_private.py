@@ -16,6 +16,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _F: Any = torch._C._functorch
 
@@ -48,6 +49,7 @@ __all__ = [
     "rewraps_outputs",
     "install",
     "is_aten_op",
+    "watch_storage_resizes",
     "TorchDispatchMode",
 ]
 
@@ -152,6 +154,33 @@ def install() -> None:
 
 # Python dispatch modes: torch's documented extension point, under a private module name.
 TorchDispatchMode = _TorchDispatchMode
+
+_STORAGE_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_watched(storage: Any, size: int) -> Any:
+    before = storage.nbytes()
+    out = _STORAGE_RESIZE(storage, size)
+    if storage.nbytes() != before:
+        for mode in _get_current_dispatch_mode_stack():
+            resized = getattr(mode, "storage_resized", None)
+            if resized is not None:
+                resized(storage)
+    return out
+
+
+def watch_storage_resizes() -> None:
+    """Tell the dispatch modes of this thread about each ``UntypedStorage.resize_``.
+
+    After a storage resizes itself to a new size, every active mode with a
+    ``storage_resized`` method gets the storage. No dispatch mode sees the call
+    itself: on CPU and CUDA the storage reallocates without an aten op (FSDP2 frees
+    and re-gathers its unsharded parameters so), and torch has no hook for it.
+    remat wraps the method (``remat.memory.track`` asks, on entry); the wrapper
+    calls torch's, then looks at the mode stack, which torch also propagates to
+    autograd's threads.
+    """
+    torch.UntypedStorage.resize_ = _resize_watched  # type: ignore[method-assign,assignment]
 
 
 def is_aten_op(value: Any) -> bool:

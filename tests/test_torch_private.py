@@ -442,3 +442,41 @@ def test_is_aten_op_and_dispatch_mode():
         torch.ones(2).sin()
     assert torch.ops.aten.sin.default in seen
     assert isinstance(tp.TorchDispatchMode(), torch.utils._python_dispatch.TorchDispatchMode)
+
+
+def test_storage_resize_is_no_aten_op():
+    """UntypedStorage.resize_ reaches no dispatch mode: remat.memory.track watches it itself."""
+    seen = []
+
+    class Mode(tp.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    storage = torch.empty(4).untyped_storage()
+    with Mode():
+        assert tp._STORAGE_RESIZE(storage, 0) is storage
+        tp._STORAGE_RESIZE(storage, 32)
+    assert seen == []
+    assert storage.nbytes() == 32
+
+
+def test_watch_storage_resizes_tells_modes_and_leaves_torch_alone():
+    """After `watch_storage_resizes`, resize_ works as torch's; active modes hear of it."""
+    tp.watch_storage_resizes()
+    storage = torch.arange(4.0).untyped_storage()
+    assert storage.resize_(8) is storage
+    assert storage.nbytes() == 8
+    heard = []
+
+    class Listening(tp.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+        def storage_resized(self, resized):
+            heard.append((resized, resized.nbytes()))
+
+    with Listening():
+        storage.resize_(8)  # the same size: nothing to hear
+        storage.resize_(24)
+    assert heard == [(storage, 24)]
