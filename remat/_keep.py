@@ -545,6 +545,7 @@ class Replayer:
     __slots__ = (
         "cursor",
         "diverged",
+        "fresh",
         "handles",
         "keeper",
         "last",
@@ -563,6 +564,8 @@ class Replayer:
         self.placeholders: dict[int, tuple[torch.Tensor, torch.device]] = {}
         self.diverged = self.restart = False
         self.last: Any = None
+        # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
+        self.fresh: dict[int, weakref.ref[Any]] = {}
 
     def call(self, func: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
         signature = self.provenance.signature(func, args, kwargs, None)
@@ -583,10 +586,45 @@ class Replayer:
             if self.placeholders and any(t.device.type == "meta" for t in _outputs(out)):
                 self.restart = True  # a skipped value reached a real result some other way
                 raise Restart
-            if index is None and func._schema.is_mutable:
-                self.diverged = True  # an unknown write: aliases may now hold anything
+            if index is None:
+                if not func._schema.is_mutable:
+                    self._made_fresh(func, args, out)
+                elif not self._harmless(func, args, kwargs):
+                    self.diverged = True  # an unknown write: aliases may now hold anything
         self.provenance.record(func, args, out, -1 if index is None else index)
         return out
+
+    def _made_fresh(self, func: Any, args: Any, out: Any) -> None:
+        """Note the memory an unmatched op allocated (not a view: no input's memory)."""
+        if func.is_view:
+            return
+        inputs = [t for arg in args for t in _tensors(arg) if t.layout == torch.strided]
+        read = {id(t.untyped_storage()) for t in inputs}
+        for t in _outputs(out):
+            if t.layout == torch.strided and id(t.untyped_storage()) not in read:
+                storage = t.untyped_storage()
+                self.fresh[id(storage)] = weakref.ref(storage)
+
+    def _harmless(self, func: Any, args: Any, kwargs: Any) -> bool:
+        """Whether an unmatched write leaves what matched ops read as the forward had it.
+
+        It does if it writes only memory that unmatched ops of this recompute made, or
+        if it is FSDP2 re-gathering parameters: its ``fsdp`` ops write the unsharded
+        parameters from the shards, which hold what the forward read (FSDP2 keeps their
+        version counters; updating the shards themselves raises, see `ModuleState`).
+        FSDP2 gathers where its state says (in the forward, a prefetch, or the
+        recompute), so one run may gather inside the region and the other not.
+        """
+        if func.namespace == "fsdp":
+            return True
+        for t in _written(func, args, kwargs):
+            if t.layout != torch.strided:
+                return False
+            storage = t.untyped_storage()
+            ref = self.fresh.get(id(storage))
+            if ref is None or ref() is not storage:
+                return False
+        return True
 
     def close(self) -> None:
         """End of the recompute: drop the placeholders.
@@ -666,6 +704,21 @@ class Replayer:
             self.placeholders[id(t)] = (t, layout.device)
             return t
         return type(layout)(self._placeholder(m) for m in layout)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of an op argument (a tensor, or a list of them)."""
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an op writes in place, by its schema."""
+    written: list[torch.Tensor] = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += _tensors(args[i] if i < len(args) else kwargs.get(argument.name))
+    return written
 
 
 def _move(out: Any, device: torch.device) -> Any:
