@@ -20,8 +20,12 @@ and records, for each parameter and buffer slot, the tensor it held at entry.
   Every such input is snapshotted the first time a region runs a module (or a
   function's code); after that, only those positions a forward updated.
 - A slot whose tensor the forward itself replaced (a module assigning a new
-  buffer) or that FSDP2 manages (it re-gathers parameters for the recompute) is
-  left alone.
+  buffer) is left alone, and so is every parameter slot of a module inside an
+  FSDP2 unit: FSDP2 swaps sharded and unsharded parameters in and out of it
+  between the forward and the backward, and installs for the recompute what it
+  re-gathers from the shards (as for plain autograd). Their buffers are handled
+  like any other module's. A sharded parameter the region saw is version-checked:
+  updating it before the backward raises, as for any other parameter.
 """
 
 from __future__ import annotations
@@ -56,15 +60,17 @@ def _learning(owner: Any) -> set[str]:
     return _UPDATED.setdefault(owner, {}).setdefault(getattr(owner, "training", None), set())
 
 
-def _fsdp_module_type() -> type | None:
+def _fsdp_types() -> tuple[type | None, type | None]:
+    """FSDP2's module class and the DTensor class of its sharded parameters."""
     try:
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
-        return None
-    return FSDPModule
+        return None, None
+    return FSDPModule, DTensor
 
 
-_FSDP = _fsdp_module_type()
+_FSDP, _DTENSOR = _fsdp_types()
 
 
 def reachable_modules(fn: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
@@ -116,15 +122,34 @@ class _Slot(NamedTuple):
     version: int
 
 
+def _sharded_units(modules: list[nn.Module]) -> set[int]:
+    """Ids of the modules inside FSDP2 units (the units included): FSDP2 owns their parameters."""
+    if _FSDP is None:
+        return set()
+    owned: set[int] = set()
+    for module in modules:
+        for sub in module.modules():
+            if id(sub) not in owned and isinstance(sub, _FSDP):
+                owned.update(id(m) for m in sub.modules())
+    return owned
+
+
 class ModuleState:
     """The parameter and buffer slots of some modules, as the region's forward saw them."""
 
-    __slots__ = ("ended", "generators", "lost", "slots", "snapshots")
+    __slots__ = ("ended", "generators", "lost", "sharded", "slots", "snapshots")
 
-    def __init__(self, slots: list[_Slot], snapshots: dict[int, torch.Tensor], gens: list[Any]):
+    def __init__(
+        self,
+        slots: list[_Slot],
+        snapshots: dict[int, torch.Tensor],
+        gens: list[Any],
+        sharded: list[_Slot],
+    ):
         self.slots = slots
         self.snapshots = snapshots  # slot index -> value at entry
         self.generators = gens  # explicit torch.Generators kept as module attributes
+        self.sharded = sharded  # FSDP2's sharded parameters, for their versions only
         self.ended: list[int] = []  # slot index -> version when the forward ended
         self.lost: list[_Slot] = []  # updated by the forward, with no snapshot
 
@@ -147,6 +172,8 @@ class ModuleState:
         if not modules and not slots:
             return None
         generators: list[Any] = []
+        sharded: list[_Slot] = []
+        owned = _sharded_units(modules)
         seen: set[int] = set()
         for module in modules:
             for sub in module.modules():
@@ -155,20 +182,21 @@ class ModuleState:
                 seen.add(id(sub))
                 # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
                 generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
-                if _FSDP is not None and isinstance(sub, _FSDP):
-                    seen.update(id(m) for m in sub.modules())
-                    continue
                 updated = _learned(sub)
                 for table in (sub._parameters, sub._buffers):
                     for name, t in table.items():
                         if t is None:
+                            continue
+                        if table is sub._parameters and id(sub) in owned:
+                            if _DTENSOR is not None and isinstance(t, _DTENSOR):
+                                sharded.append(_Slot(sub, table, name, t, t._version))
                             continue
                         first = updated is None and table is sub._buffers
                         if first or (updated is not None and name in updated):
                             with torch.no_grad():
                                 snapshots[len(slots)] = t.detach().clone()
                         slots.append(_Slot(sub, table, name, t, t._version))
-        return cls(slots, snapshots, generators)
+        return cls(slots, snapshots, generators, sharded)
 
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
@@ -204,6 +232,14 @@ class ModuleState:
                 "always kept the first time); later calls keep it. Update it outside `fn`, "
                 "or run one step before training."
             )
+        for slot in self.sharded:
+            if slot.tensor._version != slot.version:
+                raise changed_since_forward(
+                    f"FSDP2's sharded parameter `{slot.name}` of {type(slot.module).__name__}",
+                    slot.version,
+                    slot.tensor._version,
+                    "Step the optimizer after the backward.",
+                )
         swaps: list[tuple[dict[str, Any], str, Any]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i, slot in enumerate(self.slots):
