@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -40,6 +41,7 @@ import remat
 
 WIDTH, BATCH, BLOCKS, STEPS = 16, 8, 3, 2
 TIMEOUT = datetime.timedelta(seconds=30)  # of each collective
+WRAPPED = "_checkpoint_wrapped_module"  # in names under torch's checkpoint_wrapper
 
 
 class Mlp(nn.Module):
@@ -195,7 +197,7 @@ def train(
         seen[f"param {name}"] = local(p)
     for name, b in net.named_buffers():
         seen[f"buffer {name}"] = local(b)
-    return seen
+    return {key.replace(f"{WRAPPED}.", ""): value for key, value in seen.items()}
 
 
 def differences(plain: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> list[str]:
@@ -288,6 +290,19 @@ def _bf16(use_remat: bool) -> nn.Module:
     return _fsdp2(use_remat, "after", model={"dtype": torch.float32}, mp_policy=policy)
 
 
+def _torchtitan(use_remat: bool) -> nn.Module:
+    """torchtitan's MoE layout: ``checkpoint_wrapper(block, checkpoint_fn=remat.checkpoint)``,
+    the experts sharded on their own, then the wrapped block."""
+    net = model(Gated)
+    checkpoint_fn = functools.partial(remat.checkpoint, policy="save_matmuls")
+    for i, block in enumerate(list(net.blocks)):
+        fully_shard(block.mlp, mesh=mesh())
+        if use_remat:
+            net.blocks[i] = checkpoint_wrapper(block, checkpoint_fn=checkpoint_fn)
+        fully_shard(net.blocks[i], mesh=mesh())
+    return fully_shard(net, mesh=mesh())
+
+
 def _around_root(use_remat: bool) -> nn.Module:
     """``remat.apply`` on the root FSDP2 module: every unit's hooks run inside the region."""
     net = fsdp2(model(), lambda b: b)
@@ -374,6 +389,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "fsdp2-region-around-unit": lambda: _around("save_nothing"),
     "fsdp2-region-around-unit-save-matmuls": lambda: _around("save_matmuls"),
     "fsdp2-region-around-root": lambda: compare(_around_root),
+    "fsdp2-torchtitan-moe-checkpoint-wrapper": lambda: compare(_torchtitan),
     "memory-ddp": lambda: _memory("ddp"),
     "memory-fsdp2": lambda: _memory("fsdp2"),
     "memory-fsdp2-unit-inside-region": lambda: _memory("fsdp2-unit-inside-region"),
