@@ -122,13 +122,23 @@ class _Slot(NamedTuple):
     version: int
 
 
-def _sharded_units(modules: list[nn.Module]) -> set[int]:
-    """Ids of the modules inside FSDP2 units (the units included): FSDP2 owns their parameters."""
-    if _FSDP is None:
-        return set()
-    owned: set[int] = set()
+def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
+    """Every module under ``modules`` (themselves included), each once."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
     for module in modules:
         for sub in module.modules():
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                found.append(sub)
+    return found
+
+
+def _sharded_units(submodules: list[nn.Module]) -> set[int]:
+    """Ids of the modules inside FSDP2 units (the units included): FSDP2 owns their parameters."""
+    owned: set[int] = set()
+    if _FSDP is not None:
+        for sub in submodules:
             if id(sub) not in owned and isinstance(sub, _FSDP):
                 owned.update(id(m) for m in sub.modules())
     return owned
@@ -173,29 +183,25 @@ class ModuleState:
             return None
         generators: list[Any] = []
         sharded: list[_Slot] = []
-        owned = _sharded_units(modules)
-        seen: set[int] = set()
-        for module in modules:
-            for sub in module.modules():
-                if id(sub) in seen:
-                    continue
-                seen.add(id(sub))
-                # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
-                generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
-                updated = _learned(sub)
-                for table in (sub._parameters, sub._buffers):
-                    for name, t in table.items():
-                        if t is None:
-                            continue
-                        if table is sub._parameters and id(sub) in owned:
-                            if _DTENSOR is not None and isinstance(t, _DTENSOR):
-                                sharded.append(_Slot(sub, table, name, t, t._version))
-                            continue
-                        first = updated is None and table is sub._buffers
-                        if first or (updated is not None and name in updated):
-                            with torch.no_grad():
-                                snapshots[len(slots)] = t.detach().clone()
-                        slots.append(_Slot(sub, table, name, t, t._version))
+        submodules = _submodules(modules)
+        owned = _sharded_units(submodules)
+        for sub in submodules:
+            # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
+            generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
+            updated = _learned(sub)
+            for table in (sub._parameters, sub._buffers):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if table is sub._parameters and id(sub) in owned:
+                        if _DTENSOR is not None and isinstance(t, _DTENSOR):
+                            sharded.append(_Slot(sub, table, name, t, t._version))
+                        continue
+                    first = updated is None and table is sub._buffers
+                    if first or (updated is not None and name in updated):
+                        with torch.no_grad():
+                            snapshots[len(slots)] = t.detach().clone()
+                    slots.append(_Slot(sub, table, name, t, t._version))
         return cls(slots, snapshots, generators, sharded)
 
     def settle(self) -> None:
