@@ -570,6 +570,15 @@ class Replayer:
     def call(self, func: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
         signature = self.provenance.signature(func, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
+        if index is None and not self.diverged and self.placeholders and _device(kwargs) == _META:
+            # A factory call on the device that a skipped value's ``.device`` reported
+            # (a meta placeholder's): run it where the forward did, if that matches.
+            real = {device for _, device in self.placeholders.values()}
+            moved = {**kwargs, "device": real.pop()} if len(real) == 1 else kwargs
+            again = self._match(self.provenance.signature(func, args, moved, None))
+            if again is not None:
+                index, kwargs = again, moved
+                run = functools.partial(func, *args, **kwargs)
         keeper = self.keeper
         if index is not None and index in keeper.kept and keeper.replayable(index):
             out = keeper.value(index)
@@ -704,6 +713,14 @@ class Replayer:
             self.placeholders[id(t)] = (t, layout.device)
             return t
         return type(layout)(self._placeholder(m) for m in layout)
+
+
+_META = torch.device("meta")
+
+
+def _device(kwargs: dict[str, Any]) -> torch.device | None:
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else None
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

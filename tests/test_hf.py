@@ -114,13 +114,6 @@ CASES = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral, "qwen2_moe": _qwen
 # its blocks positionally and drops it by its own flag, which `apply` must set too.
 NAMES = list(CASES)
 NAMES_POLICIES = [(n, p) for n in CASES for p in POLICIES]
-# Under torch.func.grad, GPT-2's attention reads the `.device` of a value save_matmuls
-# skipped (a meta placeholder) for a factory call: the recompute restarts once.
-RESTARTS = pytest.mark.xfail(strict=True, reason="a skipped value's .device reads 'meta'")
-FUNCTIONAL = [
-    pytest.param(n, p, marks=RESTARTS if (n, p) == ("gpt2", "save_matmuls") else ())
-    for n, p in NAMES_POLICIES
-]
 
 
 def _model(name: str) -> tuple[nn.Module, type[GradientCheckpointingLayer]]:
@@ -232,7 +225,7 @@ def test_training_steps_equal_plain(name, policy):
     assert calls == [4, 4]  # a forward and a recompute per step
 
 
-@pytest.mark.parametrize(("name", "policy"), FUNCTIONAL)
+@pytest.mark.parametrize(("name", "policy"), NAMES_POLICIES)
 def test_functional_grad_equals_plain(name, policy):
     """`functional_call` under `torch.func.grad`, two steps: gradients bitwise plain's."""
     model, layer = _model(name)

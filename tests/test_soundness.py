@@ -182,6 +182,26 @@ def test_python_reads_of_values_match_plain(policy, fn):
     assert_tree_equal(_run_reads(fn, lambda f: remat(f, policy=policy)), expected)
 
 
+def test_device_of_a_skipped_value_does_not_restart_the_recompute():
+    """A skipped value is a meta placeholder: a factory call on its ``.device`` runs on the
+    forward's device when that matches the forward's op, instead of restarting."""
+    calls = []
+
+    def fn(x, w):
+        calls.append(1)
+        y = x @ w  # kept
+        unused = y.cos()  # skipped: only its device is read
+        scale = torch.full((), 2.0, dtype=y.dtype, device=unused.device)
+        return (y * scale).sin()
+
+    x, w = _randn(0, 4, 4), _randn(1, 4, 4)
+    expected = torch.autograd.grad(fn(x, w).sum(), (x, w))
+    calls.clear()
+    got = torch.autograd.grad(remat(fn, policy="save_matmuls")(x, w).sum(), (x, w))
+    assert_tree_equal(got, expected)
+    assert len(calls) == 2  # the forward and one recompute, not a restart
+
+
 # 4. A mask built on the first call and cached on the module -----------------------------------
 
 
