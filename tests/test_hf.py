@@ -31,6 +31,17 @@ LR = 0.1
 POLICIES = ["save_nothing", "save_matmuls"]
 
 
+# The Llama-family models' shapes (GPT-2 names them its own way).
+SMALL: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
 class Case(NamedTuple):
     build: Callable[[], nn.Module]
     layer: type[GradientCheckpointingLayer]
@@ -40,14 +51,7 @@ def _llama() -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = LlamaConfig(**SMALL)
     return Case(lambda: LlamaForCausalLM(config), LlamaDecoderLayer)
 
 
@@ -76,12 +80,7 @@ def _mixtral() -> Case:
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
     config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL,
         num_local_experts=4,
         num_experts_per_tok=2,
         output_router_logits=True,
@@ -95,14 +94,9 @@ def _qwen2_moe() -> Case:
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
 
     config = Qwen2MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **SMALL,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_experts=4,
         num_experts_per_tok=2,
     )
