@@ -10,6 +10,7 @@ import optree
 import torch
 
 from . import _torch_private
+from ._compiled import traced
 from ._engine import Region, running_region
 from ._modules import ModuleState
 from ._policies import OpCall, Policy, resolve
@@ -127,6 +128,8 @@ def remat(
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if resolved.keeps_everything or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():  # Dynamo traces the region into its graph
+            return traced(fn, args, kwargs, resolved, preserve_rng)
         leaves: list[Any] = optree.tree_leaves(
             (args, kwargs),  # type: ignore[arg-type]
             none_is_leaf=True,
