@@ -82,6 +82,8 @@ class _NotTraced:
     """`OpCall.output` while torch.compile traces: the op has not run, so there is none."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocols probed by inspect, copy, doctest
+            raise AttributeError(name)
         raise RuntimeError(
             "`remat`: under torch.compile a policy sees each op before it runs, so "
             "`OpCall.output` does not exist. Decide from `OpCall.op` and `OpCall.args`, "
