@@ -485,6 +485,13 @@ class _Unpack:
         self.given: dict[int, dict[int, _Given]] = {}  # graph task -> handle -> released value
 
     def __call__(self, packed: Any) -> torch.Tensor:
+        if _torch_private.in_compiled_autograd():
+            # Compiled autograd traces the hooks with Dynamo: run ours as it is, as torch's
+            # own checkpoint does, so the recompute's values are real (and graph-broken).
+            return _UNTRACED_UNPACK(self, packed)
+        return self.unpack(packed)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
         """`fetch`, then what functorch's own pass should see."""
         region = self.region
         value = self.fetch(packed)
@@ -541,6 +548,13 @@ class _Unpack:
         if not needed:
             return {}
         region.check_inputs(inside=region.running)
+        if region.keeper is not None and _torch_private.in_compiled_autograd():
+            raise RecomputeError(
+                f"`remat`: the policy {region.keeper.policy!r} replays kept values op "
+                "by op, which remat does not support under compiled autograd yet. Use the "
+                "default policy there (`save_nothing`), or compile the model itself "
+                "(`torch.compile`), where every policy that decides by op works."
+            )
         forward = region.mode  # set while the forward runs: an ``autograd.grad`` inside ``fn``
         if forward is not None:
             forward.paused += 1
@@ -559,6 +573,9 @@ class _Unpack:
         if only is None and region.keeper is not None:
             region.keeper.release()
         return values
+
+
+_UNTRACED_UNPACK = _torch_private.dynamo_disabled(_Unpack.unpack)
 
 
 def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:

@@ -42,6 +42,8 @@ __all__ = [
     "wrapper_level",
     "wrap_for_grad",
     "queue_end_of_backward_callback",
+    "in_compiled_autograd",
+    "dynamo_disabled",
     "region_running",
     "running_regions",
     "requiring_grad",
@@ -63,14 +65,31 @@ def current_graph_task_id() -> int:
     return int(torch._C._current_graph_task_id())
 
 
-def queue_end_of_backward_callback(callback: Callable[[], Any]) -> None:
-    """Run ``callback`` when the current backward pass finishes.
+def queue_end_of_backward_callback(callback: Callable[[], Any]) -> bool:
+    """Run ``callback`` when the current backward pass finishes, if the engine can.
 
     Lets a pass drop recomputed values it never unpacked (``inputs=`` can leave
     some nodes unexecuted). FSDP and DDP use the same engine hook; it has no
-    public spelling.
+    public spelling. Compiled autograd takes such callbacks only when it compiles
+    the whole backward as one graph: elsewhere under it, this returns False.
     """
+    if in_compiled_autograd():
+        return False
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+    return True
+
+
+def dynamo_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, which Dynamo runs instead of tracing (imports Dynamo at its first call only)."""
+    from torch._compile import _disable_dynamo
+
+    return _disable_dynamo(fn)
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd is running the current backward (it has no public flag)."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported by remat
+    return compiled is not None and bool(compiled.in_compiled_autograd_region)
 
 
 @contextlib.contextmanager

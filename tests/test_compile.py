@@ -168,3 +168,45 @@ def test_policies_the_trace_cannot_answer_raise_naming_remat(policy, message):
     model = _model(remat.remat(policy=policy))
     with pytest.raises(Exception, match=message):
         _steps(model, steps=1)
+
+
+# Compiled autograd itself reads `.grad` of non-leaf tensors while it traces (torch 2.13).
+NON_LEAF_GRAD = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")
+
+
+def _compiled_autograd_backward(model):
+    """Loss and gradients of one eager forward whose backward compiled autograd runs."""
+    from torch._dynamo import compiled_autograd
+
+    x = torch.randn(8, WIDTH, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(100)
+    loss = model(x)
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+@NON_LEAF_GRAD
+def test_eager_regions_under_compiled_autograd_give_plain_gradients():
+    """The default policy's unpack hooks run under compiled autograd: eager plain's
+    gradients, each block recomputed once."""
+    calls = []
+
+    def counted(block):
+        def run(x):
+            calls.append(1)
+            return block(x)
+
+        return remat.remat(run)
+
+    loss, grads = _compiled_autograd_backward(_model(counted))
+    plain_loss, plain_grads = _compiled_autograd_backward(_model(_plain))
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    assert len(calls) == 6  # 3 forwards and 3 recomputes
+
+
+@NON_LEAF_GRAD
+def test_per_op_policy_under_compiled_autograd_raises_naming_it():
+    with pytest.raises(remat.RecomputeError, match=r"save_matmuls.*compiled autograd"):
+        _compiled_autograd_backward(_model(remat.remat(policy="save_matmuls")))

@@ -37,6 +37,20 @@ def test_every_private_api_is_tested_here():
     assert untested == []
 
 
+def test_dynamo_disabled_runs_eagerly_inside_a_compiled_function():
+    seen = []
+
+    def probe(x):
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    untraced = tp.dynamo_disabled(probe)
+    compiled = torch.compile(lambda x: untraced(x.sin()).cos(), backend="eager")
+    x = torch.randn(3)
+    assert torch.equal(compiled(x), (x.sin() + 1).cos())
+    assert seen == [False]  # run, not traced
+
+
 class _GraphTaskProbe(torch.autograd.Function):
     ids: ClassVar[list[int]] = []
 
@@ -65,6 +79,21 @@ def test_current_graph_task_id():
     assert first != second
     assert from_hooks == [first, second]
     assert tp.current_graph_task_id() == -1
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")
+def test_in_compiled_autograd_is_true_only_while_compiled_autograd_runs_a_backward():
+    from torch._dynamo import compiled_autograd
+
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = x.sin()
+    y.register_hook(lambda g: seen.append(tp.in_compiled_autograd()) or g)
+    y.sum().backward(retain_graph=True)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        y.sum().backward()
+    assert seen == [False, True]
+    assert not tp.in_compiled_autograd()
 
 
 def test_queue_end_of_backward_callback_runs_after_the_pass():
