@@ -98,11 +98,17 @@ def apply(
     remat(_identity, **options)  # checks the options now, not at the first call
     matches = _matching(model, where, "apply")
     switched = _hugging_face(model, matches)
+    # torch's names, as Hugging Face calls `checkpoint(fn, *args)` and passes it no options.
+    as_torch = {
+        "policy": options["policy"],
+        "preserve_rng_state": preserve_rng,
+        "determinism_check": "default" if check == "shapes" else "none",
+    }
     for module in switched:
         # Hugging Face's own switch, as `activation_checkpointing_enable` sets it: the
         # layers call `checkpoint`, and they and the models above them drop the cache.
         hf: Any = module
-        hf._gradient_checkpointing_func = functools.partial(checkpoint, **options)
+        hf._gradient_checkpointing_func = functools.partial(checkpoint, **as_torch)
         hf.gradient_checkpointing = True
     for module in matches:
         if not any(module is m for m in switched):

@@ -274,6 +274,29 @@ def test_copy_rematerializes_and_trains_alone(name, how):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_apply_passes_its_options_to_remat_and_none_to_the_layers():
+    """Hugging Face calls `remat.checkpoint(partial(forward, ...), *args)`: the options
+    must be `checkpoint`'s (torch's names), or they would reach the layer as keywords."""
+    model, layer = _model("llama")
+    remat.apply(model, layer, policy="save_matmuls", preserve_rng=False, check="none")
+    seen = []
+    real = remat.remat
+
+    def spy(fn, **options):
+        seen.append((fn.keywords.keys() & {"preserve_rng", "check", "policy"}, options))
+        return real(fn, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("remat._apply.remat", spy)
+        _train(model, steps=1)
+    assert seen
+    for leaked, options in seen:
+        assert leaked == set()
+        assert options["preserve_rng"] is False
+        assert options["check"] == "none"
+        assert repr(options["policy"]) == "save_matmuls"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_unapply_restores_plain(name):
     """After `unapply`, layers run once per step, hold what plain holds, and keep the cache."""
