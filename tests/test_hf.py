@@ -207,28 +207,18 @@ def _copy(model: nn.Module, how: str) -> nn.Module:
     return torch.load(buffer, weights_only=False)
 
 
+@pytest.mark.parametrize("train", [_train, _functional_train], ids=["backward", "func.grad"])
 @pytest.mark.parametrize(("name", "policy"), NAMES_POLICIES)
-def test_training_steps_equal_plain(name, policy):
-    """Two SGD steps of the default training call: losses and gradients bitwise plain's."""
+def test_training_steps_equal_plain(name, policy, train):
+    """Two SGD steps of the default training call, by `.backward()` or by `functional_call`
+    under `torch.func.grad`: losses and gradients bitwise plain's."""
     model, layer = _model(name)
     plain = copy.deepcopy(model)
     remat.apply(model, layer, policy=policy)
     with _layer_calls(model, layer) as calls:
-        history = _train(model)
-    _assert_same(_train(plain), history)
+        history = train(model)
+    _assert_same(train(plain), history)
     assert calls == [4, 4]  # a forward and a recompute per step
-
-
-@pytest.mark.parametrize(("name", "policy"), NAMES_POLICIES)
-def test_functional_grad_equals_plain(name, policy):
-    """`functional_call` under `torch.func.grad`, two steps: gradients bitwise plain's."""
-    model, layer = _model(name)
-    plain = copy.deepcopy(model)
-    remat.apply(model, layer, policy=policy)
-    with _layer_calls(model, layer) as calls:
-        history = _functional_train(model)
-    _assert_same(_functional_train(plain), history)
-    assert calls == [4, 4]
 
 
 @pytest.mark.parametrize("name", NAMES)
