@@ -20,7 +20,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._policies import Decision, OpCall, Policy, as_decision, save_all_but_names, save_names
+from ._policies import Decision, OpCall, Policy, save_all_but_names, save_names
 
 __all__ = ["traced"]
 
@@ -46,18 +46,15 @@ def traced(
 
 def _decide(policy: Policy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The policy's decision for one op of the traced region, as torch's."""
-    if policy.by_op:
-        decision = policy.decide(op, lambda: OpCall(op, args, kwargs, _NOT_TRACED))
-    else:
-        unsupported = _needs_names(policy)
-        if unsupported is not None:
-            raise RuntimeError(
-                f"`remat`: the policy {unsupported!r} keeps tensors tagged with `remat.name`, "
-                "and under torch.compile remat cannot see the tags yet. Use a policy that "
-                "decides by op (`save_matmuls`, `save_ops(...)`, or a callable reading "
-                "`OpCall.op` and `OpCall.args`), or run this region without compiling it."
-            )
-        decision = as_decision(policy, policy(OpCall(op, args, kwargs, _NOT_TRACED)), op)
+    unsupported = _needs_names(policy)
+    if unsupported is not None:
+        raise RuntimeError(
+            f"`remat`: the policy {unsupported!r} keeps tensors tagged with `remat.name`, "
+            "and under torch.compile remat cannot see the tags yet. Use a policy that "
+            "decides by op (`save_matmuls`, `save_ops(...)`, or a callable reading "
+            "`OpCall.op` and `OpCall.args`), or run this region without compiling it."
+        )
+    decision = policy.decide(op, lambda: OpCall(op, args, kwargs, _NOT_TRACED))
     if decision is Decision.OFFLOAD and policy.device is not None and policy.device.type != "cpu":
         raise RuntimeError(
             f"`remat`: under torch.compile, `offload` can move kept values to the CPU only, "
@@ -70,12 +67,12 @@ def _needs_names(policy: Any) -> Policy | None:
     """The part of ``policy`` that reads `remat.name` tags, if any."""
     if isinstance(policy, (save_names, save_all_but_names)):
         return policy
-    for part in (getattr(policy, "policy", None), getattr(policy, "left", None)):
+    for field in ("policy", "left", "right"):  # offload's, and a combination's parts
+        part = getattr(policy, field, None)
         found = _needs_names(part) if isinstance(part, Policy) else None
         if found is not None:
             return found
-    right = getattr(policy, "right", None)
-    return _needs_names(right) if isinstance(right, Policy) else None
+    return None
 
 
 class _NotTraced:
