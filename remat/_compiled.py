@@ -20,6 +20,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from . import _torch_private
 from ._policies import Decision, OpCall, Policy, save_all_but_names, save_names
 
 __all__ = ["traced"]
@@ -35,6 +36,10 @@ def traced(
     fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], policy: Policy, preserve_rng: bool
 ) -> Any:
     """``fn(*args, **kwargs)`` as one region of the graph being traced."""
+    if _torch_private.traced_under_functorch():
+        # torch's checkpoint operator does not run under torch.func transforms; the
+        # graph Dynamo makes of a transform computes gradients itself: trace ``fn``.
+        return fn(*args, **kwargs)
     context: dict[str, Any] = {}
     if policy.per_op:
         decide = functools.partial(_decide, policy)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,6 +44,8 @@ __all__ = [
     "wrap_for_grad",
     "queue_end_of_backward_callback",
     "in_compiled_autograd",
+    "inside_compiled_call",
+    "traced_under_functorch",
     "dynamo_disabled",
     "region_running",
     "running_regions",
@@ -84,6 +87,32 @@ def dynamo_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
     from torch._compile import _disable_dynamo
 
     return _disable_dynamo(fn)
+
+
+def traced_under_functorch() -> bool:
+    """While Dynamo traces: whether a ``torch.func`` transform is active.
+
+    Dynamo folds ``peek_interpreter_stack`` to its real value (an interpreter or
+    None), and ``isinstance`` on it; ``maybe_current_level`` would break the graph.
+    """
+    return isinstance(
+        torch._C._functorch.peek_interpreter_stack(), torch._C._functorch.CInterpreter
+    )
+
+
+def inside_compiled_call() -> bool:
+    """Whether a ``torch.compile``d function is running on this thread's Python stack.
+
+    Dynamo compiles no frame while a user's dispatch mode is active: it runs it
+    eagerly, silently. Its call wrapper (``compile_wrapper``) is then the only trace.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename.endswith("eval_frame.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def in_compiled_autograd() -> bool:

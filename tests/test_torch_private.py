@@ -64,6 +64,38 @@ class _GraphTaskProbe(torch.autograd.Function):
         return g
 
 
+def test_traced_under_functorch_sees_a_transform_while_dynamo_traces():
+    seen = []
+
+    def f(x):
+        seen.append(tp.traced_under_functorch())
+        return x.sin().sum()
+
+    x = torch.randn(3)
+    torch.compile(f, backend="eager", fullgraph=True)(x)
+    torch.compile(torch.func.grad(f), backend="eager", fullgraph=True)(x)
+    assert seen == [False, True]
+    assert tp.traced_under_functorch() is False
+
+
+def test_inside_compiled_call_sees_a_compiled_function_run_under_a_dispatch_mode():
+    seen = []
+
+    class Probe(tp.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(tp.inside_compiled_call())
+            return func(*args, **(kwargs or {}))
+
+    compiled = torch.compile(lambda x: x.sin(), backend="eager")
+    untraced = tp.dynamo_disabled(lambda x: x.cos())
+    x = torch.randn(3)
+    with Probe():
+        x.exp()
+        compiled(x)
+        untraced(x)
+    assert seen == [False, True, False]
+
+
 def test_current_graph_task_id():
     """-1 outside backward; a non-negative int inside, distinct for each backward pass."""
     assert tp.current_graph_task_id() == -1
