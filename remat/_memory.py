@@ -31,6 +31,9 @@ class track(_torch_private.TorchDispatchMode):  # noqa: N801 - used as a context
     allocation of the new size (freeing what was counted before), so a storage
     from before the context counts from the moment it regrows inside it.
 
+    It refuses a ``torch.compile``d function (`RuntimeError`): Dynamo would run
+    it eagerly under ``track``, so the count would be eager memory's.
+
     Not seen: memory no tensor storage holds (allocator caches, workspaces,
     communication buffers a backend allocates itself), and a storage moved to
     shared memory (``share_memory_``), which still counts its old bytes.
@@ -68,6 +71,14 @@ class track(_torch_private.TorchDispatchMode):  # noqa: N801 - used as a context
         self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if _torch_private.inside_compiled_call():
+            raise RuntimeError(
+                "`remat.memory.track` cannot measure a torch.compile'd function: Dynamo "
+                "does not compile frames run under a dispatch mode such as `track`, so "
+                "what it would count is eager memory. Measure compiled memory with "
+                "`torch.profiler.profile(profile_memory=True)`, or call the function "
+                "without torch.compile inside `track`."
+            )
         kwargs = kwargs or {}
         if func._schema.is_mutable:
             return self._mutating(func, args, kwargs)
