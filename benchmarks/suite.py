@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import random
 import statistics
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import Tensor
 from torch.func import grad, vmap
@@ -36,7 +38,17 @@ from torch.utils.checkpoint import (
 
 import remat
 
-from ._models import GPT, Block, Checkpoint, GPTConfig, Llama, checkpoint_modes, make_batches
+from ._models import (
+    GPT,
+    Block,
+    Checkpoint,
+    GPTConfig,
+    Llama,
+    checkpoint_modes,
+    make_batches,
+    no_checkpoint,
+    torch_checkpoint,
+)
 from .demo import _bytes, _table
 
 aten = torch.ops.aten
@@ -202,6 +214,97 @@ def gpt_workload(
     plain_loss = rows[0].loss
     for row in rows:
         row.same_loss = row.loss == plain_loss
+    return rows
+
+
+def _saved_for_backward(step: Callable[[], Tensor], model: torch.nn.Module) -> tuple[int, Tensor]:
+    """Bytes of the storages a step's forward saves for backward, and its loss.
+
+    Counted with an outer ``saved_tensors_hooks`` pair, which sees what a compiled
+    forward saves too: AOTAutograd saves its residuals through autograd. The model's
+    parameters and buffers are not counted: like "held" elsewhere, activations only.
+    """
+    storages: dict[int, int] = {}
+    state = {
+        t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())
+    }
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in state:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return sum(storages.values()), loss.detach()
+
+
+def _profiled_peak(step: Callable[[], Tensor]) -> int:
+    """Peak bytes allocated over a step's forward and backward, from torch.profiler's
+    memory events (which see allocations inside compiled code; `remat.memory.track`
+    refuses compiled functions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step().backward()
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+# One compile thread: a pool's idle threads would outlive this workload, and with other
+# threads alive remat captures RNG per op (in the test suite's later tests, too).
+@torch._inductor.config.patch(compile_threads=1)
+def compiled_workload(
+    config: GPTConfig, batch: int, rounds: int, warmup: int, device: torch.device, backend: str
+) -> list[Row]:
+    """The reference GPT under ``torch.compile``, per mode: the bytes the compiled forward
+    saves for backward ("held"), the peak over a step, and the step time."""
+    torch.manual_seed(0)
+    base = GPT(config).to(device)
+    tokens, targets = (t.to(device) for t in make_batches(config, batch, 1)[0])
+    wraps = {
+        "plain": no_checkpoint,
+        "torch.utils.checkpoint": torch_checkpoint,
+        "torch SAC (mm, addmm, bmm, baddbmm)": torch_sac,
+        **{m: w for m, w in checkpoint_modes().items() if m.startswith("remat ")},
+    }
+    steps, rows = {}, []
+    for mode, wrap in wraps.items():
+        model = copy.deepcopy(base)
+        model.checkpoint = wrap
+        loss_fn = torch.compile(model.loss, backend=backend)
+
+        def step(model: GPT = model, loss_fn: Callable[..., Tensor] = loss_fn) -> Tensor:
+            torch.manual_seed(1)
+            model.zero_grad(set_to_none=True)
+            return loss_fn(tokens, targets)
+
+        step().backward()  # compiles
+        saved, loss = _saved_for_backward(step, model)
+        # track() refuses compiled functions; the profiler sees their allocations
+        peak = _measure_memory(step, device)[1] if device.type == "cuda" else _profiled_peak(step)
+        rows.append(Row(f"compiled ({backend}) reference GPT", mode, saved, peak, loss=loss.item()))
+        steps[mode] = step
+    if rounds:
+
+        def timed(step: Callable[[], Tensor]) -> None:
+            step().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        times = _interleaved_times(
+            {mode: functools.partial(timed, step) for mode, step in steps.items()}, rounds, warmup
+        )
+        for row in rows:
+            row.times = times[row.mode]
+    for row in rows:  # compiled plain's loss, to the compiled kernels' rounding
+        row.same_loss = math.isclose(row.loss, rows[0].loss, rel_tol=1e-5)
     return rows
 
 
@@ -429,7 +532,7 @@ def format_rows(rows: Sequence[Row]) -> str:
                     _bytes(r.held) if r.held else "-",
                     _ratio(r.held, plain.held),
                     _ratio(r.held, ckpt.held if ckpt else None),
-                    _bytes(r.peak),
+                    _bytes(r.peak) if r.peak else "-",
                     _ratio(r.peak, plain.peak),
                     f"{1e3 * r.time:.0f} ms" if r.time else "-",
                     _time_ratio(r, plain),
@@ -555,6 +658,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rng_overhead(reference, sizes["batch"], 2 if args.smoke else 15)
         if device.type == "cpu"
         else {}
+    )
+    # Last: compiling leaves threads alive (tqdm's monitor), and with other threads alive
+    # remat captures RNG per op. inductor compiles each mode in about a minute on 2 cores.
+    backend = "aot_eager" if args.smoke else "inductor"
+    rows += compiled_workload(
+        reference, sizes["batch"], sizes["rounds"] // 2, sizes["warmup"], device, backend
     )
     tables = format_rows(rows)
     lines = [header, missing or "", tables, note]
