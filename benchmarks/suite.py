@@ -659,8 +659,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if device.type == "cpu"
         else {}
     )
-    # Last: compiling leaves threads alive (tqdm's monitor), and with other threads alive
-    # remat captures RNG per op. inductor compiles each mode in about a minute on 2 cores.
+    # inductor compiles each mode in about a minute on 2 cores; the smoke run traces only.
     backend = "aot_eager" if args.smoke else "inductor"
     rows += compiled_workload(
         reference, sizes["batch"], sizes["rounds"] // 2, sizes["warmup"], device, backend

@@ -25,6 +25,7 @@ draws while a region's random op runs may draw the same numbers.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -42,8 +43,16 @@ _DRAWING = threading.RLock()
 
 
 def threaded() -> bool:
-    """Whether other threads are alive, which may draw from the shared generators."""
-    return threading.active_count() > 1
+    """Whether other threads are alive, which may draw from the shared generators.
+
+    tqdm's monitor thread does not count: it only refreshes stalled progress bars, and
+    any progress bar starts it for the life of the process (torch.compile's do).
+    """
+    if threading.active_count() == 1:
+        return False
+    monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", ())
+    current = threading.current_thread()
+    return any(t is not current and not isinstance(t, monitor) for t in threading.enumerate())
 
 
 def is_random(func: Any) -> bool:

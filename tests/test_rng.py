@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import threading
 
 import pytest
 import torch
 from torch.func import grad, vmap
+from tqdm import _monitor as tqdm_monitor
 
 from remat import RecomputeError, remat
 from tests.helpers import another_thread_alive
@@ -166,6 +168,21 @@ def test_nested_regions_replay_bitwise(threads):
     alive = another_thread_alive() if threads != "alone" else contextlib.nullcontext()
     with alive:
         _assert_same(_eager_run(outer(inner)), _eager_run(remat(outer(remat(inner)))))
+
+
+def test_tqdm_monitor_thread_does_not_count_as_another_thread():
+    """Any progress bar (torch.compile's) starts tqdm's monitor for the process's life;
+    it only refreshes stalled bars, so regions need not capture per op for it."""
+    from tqdm import tqdm
+
+    from remat._rng import threaded
+
+    for _ in tqdm(range(2), disable=False, file=io.StringIO(), mininterval=0):
+        pass
+    assert any(isinstance(t, tqdm_monitor.TMonitor) for t in threading.enumerate())
+    assert not threaded()
+    with another_thread_alive():
+        assert threaded()
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
