@@ -171,6 +171,29 @@ def _interleaved_times(
     return times
 
 
+def _time_rows(
+    rows: list[Row],
+    steps: dict[str, Callable[[], Tensor]],
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+) -> None:
+    """Set each row's times: its mode's step, forward and backward, modes interleaved."""
+    if not rounds:
+        return
+
+    def timed(step: Callable[[], Tensor]) -> None:
+        step().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = _interleaved_times(
+        {mode: functools.partial(timed, step) for mode, step in steps.items()}, rounds, warmup
+    )
+    for row in rows:
+        row.times = times[row.mode]
+
+
 def gpt_workload(
     name: str,
     config: GPTConfig,
@@ -199,18 +222,8 @@ def gpt_workload(
     for mode, model in models.items():
         held, peak, loss = _measure_memory(functools.partial(step, model), device)
         rows.append(Row(name, mode, held, peak, loss=loss.item()))
-    if rounds:
-
-        def timed(model: GPT | Llama) -> None:
-            step(model).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
-        times = _interleaved_times(
-            {mode: functools.partial(timed, m) for mode, m in models.items()}, rounds, warmup
-        )
-        for row in rows:
-            row.times = times[row.mode]
+    steps = {mode: functools.partial(step, model) for mode, model in models.items()}
+    _time_rows(rows, steps, rounds, warmup, device)
     plain_loss = rows[0].loss
     for row in rows:
         row.same_loss = row.loss == plain_loss
@@ -291,18 +304,7 @@ def compiled_workload(
         peak = _measure_memory(step, device)[1] if device.type == "cuda" else _profiled_peak(step)
         rows.append(Row(f"compiled ({backend}) reference GPT", mode, saved, peak, loss=loss.item()))
         steps[mode] = step
-    if rounds:
-
-        def timed(step: Callable[[], Tensor]) -> None:
-            step().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
-        times = _interleaved_times(
-            {mode: functools.partial(timed, step) for mode, step in steps.items()}, rounds, warmup
-        )
-        for row in rows:
-            row.times = times[row.mode]
+    _time_rows(rows, steps, rounds, warmup, device)
     for row in rows:  # compiled plain's loss, to the compiled kernels' rounding
         row.same_loss = math.isclose(row.loss, rows[0].loss, rel_tol=1e-5)
     return rows
