@@ -43,13 +43,24 @@ _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 _NOTHING = contextlib.nullcontext()
 
 
-class _Handle:
-    """What autograd holds in place of a value the region will recompute."""
+class _Handle(_torch_private.OpaqueBase):
+    """What autograd holds in place of a value the region will recompute.
 
-    __slots__ = ("__weakref__", "index")
+    An opaque object to torch.compile: compiled autograd's graph passes it to
+    ``remat::unpack`` as it is, and only its ``layout`` is read while tracing.
+    """
 
-    def __init__(self, index: int) -> None:
+    __slots__ = ("index", "unpack")
+
+    def __init__(self, index: int, unpack: _Unpack) -> None:
         self.index = index
+        self.unpack = unpack  # for ``remat::unpack``
+
+    @property
+    def layout(self) -> tuple[Any, ...]:
+        """Shape, strides, dtype and device of the value (known with ``check="shapes"``)."""
+        meta = self.unpack.region.meta[self.index]
+        return tuple(meta.shape), meta.stride, meta.dtype, meta.device
 
 
 class _Kept(NamedTuple):
@@ -119,13 +130,15 @@ class _Meta(NamedTuple):
     # Made by an autograd.Function, which may run in the forward only (FSDP2's
     # post-backward hook returns its input, and is not registered during backward).
     custom: bool
+    stride: tuple[int, ...]  # for compiled autograd's graph (`remat::unpack`)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Meta:
         node = t.grad_fn
         if node is None:
-            return cls(t.shape, t.dtype, t.device, "", False)
-        return cls(t.shape, t.dtype, t.device, node.name(), isinstance(node, _CUSTOM))
+            return cls(t.shape, t.dtype, t.device, "", False, t.stride())
+        name, custom = node.name(), isinstance(node, _CUSTOM)
+        return cls(t.shape, t.dtype, t.device, name, custom, t.stride())
 
     def same(self, other: _Meta, producers: bool) -> bool:
         """Equal metadata, and (if asked) the same producer up to how a reshape decomposed
@@ -313,7 +326,8 @@ class Region:
 
     def forward(self) -> Any:
         # The hooks are not kept on the region: autograd's saved values own them.
-        pack, unpack = _Pack(self), _Unpack(self)
+        unpack = _Unpack(self)
+        pack = _Pack(self, unpack)
         running = _torch_private.region_running(
             _Running(self, pack, unpack.fetch, bool(self.levels))
         )
@@ -446,10 +460,10 @@ class Region:
 class _Pack:
     """The forward's pack hook: an input by reference, any other value as a `_Handle`."""
 
-    __slots__ = ("region",)
+    __slots__ = ("region", "unpack")
 
-    def __init__(self, region: Region) -> None:
-        self.region = region
+    def __init__(self, region: Region, unpack: _Unpack) -> None:
+        self.region, self.unpack = region, unpack
 
     def __call__(self, t: torch.Tensor) -> Any:
         region = self.region
@@ -460,7 +474,7 @@ class _Pack:
                 return _Outer(outer.pack, outer.unpack, t)
             region.saved_inputs.add(id(t))
             return _Kept(t, t._version)
-        handle = _Handle(len(region.handles))
+        handle = _Handle(len(region.handles), self.unpack)
         if region.keeper is not None:
             region.keeper.note_saved(t, handle.index)
         region.kinds.append(1)
@@ -477,17 +491,23 @@ class _Unpack:
     alive; the values wait, per pass, for their own unpack.
     """
 
-    __slots__ = ("__weakref__", "given", "passes", "region")
+    __slots__ = ("__weakref__", "dispatch_keys", "given", "passes", "region")
 
     def __init__(self, region: Region) -> None:
         self.region = region
         self.passes: dict[int, dict[int, torch.Tensor]] = {}  # graph task -> handle -> value
         self.given: dict[int, dict[int, _Given]] = {}  # graph task -> handle -> released value
+        self.dispatch_keys = _torch_private.dispatch_keys()  # the forward's
 
     def __call__(self, packed: Any) -> torch.Tensor:
         if _torch_private.in_compiled_autograd():
-            # Compiled autograd traces the hooks with Dynamo: run ours as it is, as torch's
-            # own checkpoint does, so the recompute's values are real (and graph-broken).
+            # Compiled autograd traces the hooks with Dynamo. A handle's unpack goes into
+            # its graph as an opaque op; anything else runs as it is (a graph break).
+            if torch.compiler.is_compiling():
+                if isinstance(packed, _Handle) and self.region.check:
+                    return torch.ops.remat.unpack(packed)
+                if isinstance(packed, _Kept) and self.region.handles:
+                    return packed.tensor  # its version is checked when the region recomputes
             return _UNTRACED_UNPACK(self, packed)
         return self.unpack(packed)
 
@@ -523,7 +543,8 @@ class _Unpack:
         value = values.pop(packed.index, None)
         if value is None:
             value = self._again(packed, key)
-        elif not self.region.levels and key != -1:
+        elif not self.region.levels and key != -1 and not _torch_private.in_compiled_autograd():
+            # (A compiled graph may reuse the memory of what it unpacked.)
             self.given.setdefault(key, {})[packed.index] = _Given(value)
         return value
 
@@ -576,6 +597,32 @@ class _Unpack:
 
 
 _UNTRACED_UNPACK = _torch_private.dynamo_disabled(_Unpack.unpack)
+
+_torch_private.register_opaque(_Handle, lambda handle: [handle.layout], read=("layout",))
+
+
+@torch.library.custom_op("remat::unpack", mutates_args=())
+def _unpack_in_graph(packed: _Handle) -> torch.Tensor:
+    """A handle's value, inside compiled autograd's compiled graph.
+
+    The op runs below autograd; the recompute needs it, under the forward's dispatch
+    keys. It returns a copy: the compiler owns what an op returns and reuses its
+    memory, and a recomputed value may share memory with another one (a view, the
+    same tensor saved twice) or with a parameter. (inductor gave wrong gradients
+    without the copy.)
+    """
+    unpack = packed.unpack
+    with _torch_private.dispatch_keys_set(unpack.dispatch_keys), torch.enable_grad():
+        value = unpack.unpack(packed)
+    return _unpacked_like(packed).copy_(value)  # the forward's strides, traced with
+
+
+def _unpacked_like(packed: _Handle) -> torch.Tensor:
+    shape, stride, dtype, device = packed.layout
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+_unpack_in_graph.register_fake(_unpacked_like)
 
 
 def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:

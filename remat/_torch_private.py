@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
+from torch._opaque_base import OpaqueBase
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -45,6 +46,10 @@ __all__ = [
     "queue_end_of_backward_callback",
     "in_compiled_autograd",
     "inside_compiled_call",
+    "dispatch_keys",
+    "dispatch_keys_set",
+    "register_opaque",
+    "OpaqueBase",
     "traced_under_functorch",
     "dynamo_disabled",
     "region_running",
@@ -113,6 +118,32 @@ def inside_compiled_call() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def dispatch_keys() -> tuple[Any, Any]:
+    """This thread's included and excluded dispatch keys."""
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+def dispatch_keys_set(keys: tuple[Any, Any]) -> Any:
+    """A context with ``keys`` (from `dispatch_keys`) as this thread's dispatch keys.
+
+    A custom op's body runs with autograd's keys excluded; a recompute inside one
+    needs the forward's keys back.
+    """
+    return torch._C._ForceDispatchKeyGuard(*keys)
+
+
+def register_opaque(cls: type, guard: Callable[[Any], list[Any]], read: tuple[str, ...]) -> None:
+    """Let custom ops take ``cls`` instances, passed to a compiled graph by reference.
+
+    ``guard`` gives what a compiled graph specializes on, and the attributes in
+    ``read`` are read while tracing (their values are baked in; guard on them).
+    """
+    from torch._library.opaque_object import MemberType, register_opaque_type
+
+    members = dict.fromkeys(read, MemberType.USE_REAL)
+    register_opaque_type(cls, typ="reference", guard_fn=guard, members=members)
 
 
 def in_compiled_autograd() -> bool:

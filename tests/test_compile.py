@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
@@ -253,16 +254,17 @@ def test_policies_the_trace_cannot_answer_raise_naming_remat(policy, message):
 NON_LEAF_GRAD = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")
 
 
-def _compiled_autograd_backward(model):
+def _compiled_autograd_backward(model, backend="aot_eager"):
     """Loss and gradients of one eager forward whose backward compiled autograd runs."""
     from torch._dynamo import compiled_autograd
 
     x = _input()
     torch.manual_seed(100)
+    model.zero_grad(set_to_none=True)
     loss = model(x)
-    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+    with compiled_autograd._enable(torch.compile(backend=backend)):
         loss.backward()
-    return loss.detach(), [p.grad for p in model.parameters()]
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 @NON_LEAF_GRAD
@@ -278,11 +280,38 @@ def test_eager_regions_under_compiled_autograd_give_plain_gradients():
 
         return remat.remat(run)
 
+    counters.clear()
     loss, grads = _compiled_autograd_backward(_model(counted, attention=False))
+    assert not counters["graph_break"]  # the unpacks are in the graph, as an opaque op
     plain_loss, plain_grads = _compiled_autograd_backward(_model(_plain, attention=False))
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
     assert len(calls) == 6  # 3 forwards and 3 recomputes
+
+
+@NON_LEAF_GRAD
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_autograd_with_inductor_gives_its_plain_gradients_without_recompiling():
+    """inductor reuses the memory of what an op returns: remat's unpack hands it copies
+    (without them, gradients were wrong). Two backwards, one compile."""
+
+    def backwards(wrap):
+        torch._dynamo.reset()
+        model = _model(wrap, attention=False)
+        with torch._inductor.config.patch(compile_threads=1):
+            first = _compiled_autograd_backward(model, backend="inductor")
+            torch._dynamo.config.error_on_recompile = True
+            try:
+                second = _compiled_autograd_backward(model, backend="inductor")
+            finally:
+                torch._dynamo.config.error_on_recompile = False
+        return first, second
+
+    for (loss, grads), (plain_loss, plain_grads) in zip(
+        backwards(remat.remat), backwards(_plain), strict=True
+    ):
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
 
 
 @NON_LEAF_GRAD

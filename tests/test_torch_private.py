@@ -96,6 +96,57 @@ def test_inside_compiled_call_sees_a_compiled_function_run_under_a_dispatch_mode
     assert seen == [False, True, False]
 
 
+class _Token(tp.OpaqueBase):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+tp.register_opaque(_Token, lambda token: [token.scale], read=("scale",))
+
+
+@torch.library.custom_op("remat_tests::scaled", mutates_args=())
+def _scaled(token: _Token, x: torch.Tensor) -> torch.Tensor:
+    return x * token.scale
+
+
+@_scaled.register_fake
+def _(token, x):
+    return torch.empty_like(x)
+
+
+def test_register_opaque_passes_objects_to_a_compiled_graph_guarded_by_what_is_read():
+    assert isinstance(tp.OpaqueBase(), torch._opaque_base.OpaqueBase)
+    compiled = torch.compile(
+        lambda token, x: torch.ops.remat_tests.scaled(token, x).sin(),
+        backend="eager",
+        fullgraph=True,
+    )
+    x = torch.randn(3)
+    assert torch.equal(compiled(_Token(2.0), x), (x * 2).sin())
+    torch._dynamo.config.error_on_recompile = True
+    try:  # another object, the same guarded value: no recompile
+        assert torch.equal(compiled(_Token(2.0), x), (x * 2).sin())
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+def test_dispatch_keys_set_gives_a_custom_op_autograd_back():
+    keys = tp.dispatch_keys()
+    seen = []
+
+    @torch.library.custom_op("remat_tests::records", mutates_args=())
+    def records(x: torch.Tensor) -> torch.Tensor:
+        w = torch.ones(1, requires_grad=True)
+        with torch.enable_grad():
+            seen.append((x * w).grad_fn is not None)
+            with tp.dispatch_keys_set(keys):
+                seen.append((x * w).grad_fn is not None)
+        return x.clone()
+
+    records(torch.randn(2))
+    assert seen == [False, True]
+
+
 def test_current_graph_task_id():
     """-1 outside backward; a non-negative int inside, distinct for each backward pass."""
     assert tp.current_graph_task_id() == -1
