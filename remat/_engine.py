@@ -502,7 +502,9 @@ class _Unpack:
     def __call__(self, packed: Any) -> torch.Tensor:
         if _torch_private.in_compiled_autograd():
             # Compiled autograd traces the hooks with Dynamo. A handle's unpack goes into
-            # its graph as an opaque op; anything else runs as it is (a graph break).
+            # its graph as an opaque op, a kept input as it is; anything else (an input
+            # of a region that recomputes nothing, no shapes recorded) runs outside the
+            # graph, a graph break.
             if torch.compiler.is_compiling():
                 if isinstance(packed, _Handle) and self.region.check:
                     return torch.ops.remat.unpack(packed)
