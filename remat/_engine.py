@@ -63,11 +63,21 @@ class _Handle(_torch_private.OpaqueBase):
         return tuple(meta.shape), meta.stride, meta.dtype, meta.device
 
 
-class _Kept(NamedTuple):
-    """An input autograd saved, by reference; autograd skips version checks for hooks."""
+class _Kept(_torch_private.OpaqueBase):
+    """An input autograd saved, by reference; autograd skips version checks for hooks.
 
-    tensor: torch.Tensor
-    version: int
+    Opaque to torch.compile, as `_Handle` is: ``remat::unpack_kept`` checks its version.
+    """
+
+    __slots__ = ("tensor", "unpack", "version")
+
+    def __init__(self, t: torch.Tensor, unpack: _Unpack) -> None:
+        self.tensor, self.version, self.unpack = t, t._version, unpack
+
+    @property
+    def layout(self) -> tuple[Any, ...]:
+        t = self.tensor
+        return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 class _Outer:
@@ -473,7 +483,7 @@ class _Pack:
             if outer is not None:
                 return _Outer(outer.pack, outer.unpack, t)
             region.saved_inputs.add(id(t))
-            return _Kept(t, t._version)
+            return _Kept(t, self.unpack)
         handle = _Handle(len(region.handles), self.unpack)
         if region.keeper is not None:
             region.keeper.note_saved(t, handle.index)
@@ -501,15 +511,14 @@ class _Unpack:
 
     def __call__(self, packed: Any) -> torch.Tensor:
         if _torch_private.in_compiled_autograd():
-            # Compiled autograd traces the hooks with Dynamo. A handle's unpack goes into
-            # its graph as an opaque op, a kept input as it is; anything else (an input
-            # of a region that recomputes nothing, no shapes recorded) runs outside the
-            # graph, a graph break.
+            # Compiled autograd traces the hooks with Dynamo. Handles and kept inputs go
+            # into its graph as opaque ops; anything else (an outer region's input, a
+            # handle without recorded shapes) runs outside the graph, a graph break.
             if torch.compiler.is_compiling():
                 if isinstance(packed, _Handle) and self.region.check:
                     return torch.ops.remat.unpack(packed)
-                if isinstance(packed, _Kept) and self.region.handles:
-                    return packed.tensor  # its version is checked when the region recomputes
+                if isinstance(packed, _Kept):
+                    return torch.ops.remat.unpack_kept(packed)
             return _UNTRACED_UNPACK(self, packed)
         return self.unpack(packed)
 
@@ -603,15 +612,17 @@ _UNTRACED_UNPACK = _torch_private.dynamo_disabled(_Unpack.unpack)
 _torch_private.register_opaque(_Handle, lambda handle: [handle.layout], read=("layout",))
 
 
-@torch.library.custom_op("remat::unpack", mutates_args=())
-def _unpack_in_graph(packed: _Handle) -> torch.Tensor:
-    """A handle's value, inside compiled autograd's compiled graph.
+_torch_private.register_opaque(_Kept, lambda kept: [kept.layout], read=("layout",))
 
-    The op runs below autograd; the recompute needs it, under the forward's dispatch
-    keys. It returns a copy: the compiler owns what an op returns and reuses its
-    memory, and a recomputed value may share memory with another one (a view, the
-    same tensor saved twice) or with a parameter. (inductor gave wrong gradients
-    without the copy.)
+
+def _unpack_in_graph(packed: _Handle | _Kept) -> torch.Tensor:
+    """The value behind ``packed``, inside compiled autograd's compiled graph.
+
+    The ops run below autograd; a recompute needs it, under the forward's dispatch
+    keys. They return a copy: the compiler owns what an op returns and reuses its
+    memory, and an unpacked value may share memory with another one (a view, the
+    same tensor saved twice) or be a parameter. (inductor gave wrong gradients
+    without the copy.) A kept input's version is checked, as in eager mode.
     """
     unpack = packed.unpack
     with _torch_private.dispatch_keys_set(unpack.dispatch_keys), torch.enable_grad():
@@ -619,12 +630,19 @@ def _unpack_in_graph(packed: _Handle) -> torch.Tensor:
     return _unpacked_like(packed).copy_(value)  # the forward's strides, traced with
 
 
-def _unpacked_like(packed: _Handle) -> torch.Tensor:
+def _unpacked_like(packed: _Handle | _Kept) -> torch.Tensor:
     shape, stride, dtype, device = packed.layout
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-_unpack_in_graph.register_fake(_unpacked_like)
+# One op per opaque type (an op's schema names one).
+for _name, _type in (("remat::unpack", _Handle), ("remat::unpack_kept", _Kept)):
+    torch.library.custom_op(
+        _name,
+        _unpack_in_graph,
+        mutates_args=(),
+        schema=f"({_type.__module__}.{_type.__qualname__} packed) -> Tensor",
+    ).register_fake(_unpacked_like)
 
 
 def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:

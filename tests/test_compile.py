@@ -315,6 +315,22 @@ def test_compiled_autograd_with_inductor_gives_its_plain_gradients_without_recom
 
 
 @NON_LEAF_GRAD
+def test_compiled_autograd_checks_kept_inputs_it_reads_without_a_recompute():
+    """Only the first output's backward runs: it reads the region's inputs, kept by
+    reference, and recomputes nothing. An input changed in place since the forward
+    raises, as in eager mode, instead of giving a wrong gradient."""
+    from torch._dynamo import compiled_autograd
+
+    w = torch.randn(4, dtype=DTYPE, requires_grad=True)
+    x = torch.randn(4, dtype=DTYPE)
+    product, _ = remat.remat(lambda x, w: (x * w, (x * w).sin()))(x, w)
+    x.add_(1)
+    compiled = compiled_autograd._enable(torch.compile(backend="aot_eager"))
+    with compiled, pytest.raises(Exception, match="modified in place between the forward"):
+        product.sum().backward()
+
+
+@NON_LEAF_GRAD
 def test_per_op_policy_under_compiled_autograd_raises_naming_it():
     with pytest.raises(remat.RecomputeError, match=r"save_matmuls.*compiled autograd"):
         _compiled_autograd_backward(_model(remat.remat(policy="save_matmuls"), attention=False))
