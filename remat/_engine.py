@@ -367,7 +367,8 @@ class Region:
             if outer is not None:
                 self._hand_over_inputs(outer)
         if self.keeper is not None:
-            self.keeper.finish(skip=not self.levels.forward_mode())
+            read = self.tensors + self.keeper.outside_tensors()
+            self.keeper.finish(skip=not self.levels.records_recompute(read))
         if self.levels:
             self.levels.watch_outputs(out)
         found = _introspect.current()

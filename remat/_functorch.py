@@ -92,6 +92,19 @@ class Levels:
         """Whether the forward ran under a ``jvp`` level (tangents ride on values)."""
         return bool(self.jvp)
 
+    def records_recompute(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether a level below the innermost grad level records the recompute's ops.
+
+        A jvp level does, and so does a second grad level, or eager autograd under one
+        grad level when a tensor the region reads (``tensors``) requires grad there.
+        Such a level differentiates through the recompute's own ops, so a skipped op
+        (a placeholder in its graph) would break it: the recompute runs every op.
+        """
+        grads = sum(desc.kind == "Grad" for desc in self.stack)
+        if self.jvp or grads > 1:
+            return True
+        return grads == 1 and any(tp.unwrap_all(t).requires_grad for t in tensors)
+
     @staticmethod
     def _own_pass_level(t: torch.Tensor) -> int | None:
         """The grad level whose own backward pass this is, if ``t`` lives there."""

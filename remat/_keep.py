@@ -430,11 +430,15 @@ class Keeper:
         if self.provenance is not None and isinstance(key, tuple):
             self.provenance.alias(_torch_private.unwrap_all(value), key[0])
 
+    def outside_tensors(self) -> list[torch.Tensor]:
+        """The tensors from outside the region that the forward read, still alive."""
+        return [t for t in (ref() for ref in self.outside.values()) if t is not None]
+
     def finish(self, skip: bool = True) -> None:
         """End of forward: hold what the recompute reads, skip what it does not need.
 
-        ``skip=False`` (under forward-mode AD, whose tangents ride on values the
-        dispatcher cannot see) runs every op again except kept ones that are needed.
+        ``skip=False`` (when a torch.func level records the recompute, see
+        `Levels.records_recompute`) runs every op again except kept ones that are needed.
         """
         if self.error is not None:
             raise self.error
