@@ -22,13 +22,14 @@ $(PKG): $(DEPS) pyproject.toml $(wildcard remat/*.py) remat/py.typed
 demo: $(PKG)
 	$(BIN)/python benchmarks/demo.py
 
+# tests/ also builds the docs site (mkdocs build --strict, which runs the notebooks:
+# tests/test_site.py) and the sdist and wheel (tests/test_package.py), each on one worker.
 test: $(PKG)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 tests
-	$(BIN)/pytest --doctest-modules --pyargs remat --nbmake notebooks
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	$(BIN)/pytest -n 2 --dist loadgroup tests
+	$(BIN)/pytest --doctest-modules --pyargs remat
 
 # The property tests with fresh examples, REMAT_FUZZ times as many (test draws fixed ones).
 fuzz: $(PKG)
@@ -39,8 +40,9 @@ fuzz: $(PKG)
 bench: $(PKG)
 	$(BIN)/python -m benchmarks.suite --out docs/benchmarks
 
+# Notebooks run again only when they change (make test's build runs them every time).
 docs: $(PKG)
-	$(BIN)/mkdocs serve
+	MKDOCS_JUPYTER_CACHE=true $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache .hypothesis

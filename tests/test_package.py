@@ -23,10 +23,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 import remat
+from tests.built_once import built_once
 
+pytestmark = pytest.mark.xdist_group("package")  # one worker builds and installs once
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "import_probe.py"
 
@@ -44,7 +45,7 @@ def _purelib(python: Path | str) -> Path:
     return Path(_run(python, "-c", source).strip())
 
 
-def _build_and_install(root: Path) -> Path:
+def _build_and_install(root: Path) -> None:
     """Build the sdist, the wheel from it, and install the wheel in ``root/venv``."""
     _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", root / "dist", ROOT)
     deps = root / "deps"  # the dev venv's packages, remat's own excepted
@@ -59,25 +60,12 @@ def _build_and_install(root: Path) -> Path:
     (_purelib(python) / "dev_deps.pth").write_text(f"{deps}\n")
     (wheel,) = (root / "dist").glob("*.whl")
     _run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel)
-    return root
 
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """A folder with ``dist/`` (sdist and wheel) and ``venv/`` (the wheel installed)."""
-    if worker_id == "master":
-        return _build_and_install(tmp_path_factory.mktemp("package"))
-    shared = tmp_path_factory.getbasetemp().parent  # one per session, seen by every worker
-    root = shared / "package"
-    with FileLock(shared / "package.lock"):
-        if (root / "done").exists():
-            return root
-        if root.exists():
-            pytest.fail("building or installing the wheel failed in another test: see its error")
-        root.mkdir()  # built in place: a venv holds its own path, so no build-then-rename
-        _build_and_install(root)
-        (root / "done").touch()
-    return root
+    return built_once(tmp_path_factory, worker_id, "package", _build_and_install)
 
 
 def _python(built: Path) -> Path:
@@ -112,8 +100,9 @@ def test_sdist_holds_sources_tests_and_release_files(built: Path) -> None:
     (sdist,) = (built / "dist").glob("*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
-    expected = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "remat/__init__.py"}
-    assert expected | {"tests/test_package.py", "tests/import_probe.py"} <= names
+    release = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "remat/__init__.py"}
+    tests = {f"tests/{name}" for name in ("test_package.py", "import_probe.py", "built_once.py")}
+    assert release | tests <= names
 
 
 def test_changelog_names_the_version() -> None:
