@@ -1,13 +1,15 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - the main job: memory and time with and without remat
 #   make test   - lint, types, every test, the doc examples, the notebooks, the docs build
+# and one more on a machine with an NVIDIA GPU:
+#   make gpu-check - the CUDA tests, offload and RNG, the bench on CUDA; a report
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEPS := $(VENV)/.deps
 PKG := $(VENV)/.pkg
 
-.PHONY: demo test fuzz bench docs clean
+.PHONY: demo test fuzz bench docs gpu-check clean
 
 $(DEPS): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,12 +39,25 @@ fuzz: $(PKG)
 		tests/test_policy_equivalence.py tests/test_func.py
 
 # The benchmark suite (about 7 minutes on 2 cores); results land in the docs.
+BENCH_OUT ?= docs/benchmarks
 bench: $(PKG)
-	$(BIN)/python -m benchmarks.suite --out docs/benchmarks
+	$(BIN)/python -m benchmarks.suite --out $(BENCH_OUT)
 
 # Notebooks run again only when they change (make test's build runs them every time).
 docs: $(PKG)
 	MKDOCS_JUPYTER_CACHE=true $(BIN)/mkdocs serve
+
+# The checks that need an NVIDIA GPU (tools/gpu_check.py): report and logs in
+# GPU_CHECK_OUT. Without a GPU it says so and exits 0, before any set-up.
+GPU_CHECK_OUT ?= build/gpu-check
+gpu-check:
+	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
+		$(MAKE) $(PKG) && $(BIN)/python tools/gpu_check.py --out $(GPU_CHECK_OUT) --make "$(MAKE)"; \
+	else \
+		echo "make gpu-check: skipped: no NVIDIA GPU on this machine (nvidia-smi -L lists none)."; \
+		echo "With one, it runs the CUDA tests, the offload and RNG tests and make bench"; \
+		echo "(memory from the CUDA allocator), and writes $(GPU_CHECK_OUT)/gpu-check-report.md."; \
+	fi
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache .hypothesis
