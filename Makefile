@@ -25,12 +25,12 @@ demo: $(PKG)
 	$(BIN)/python benchmarks/demo.py
 
 # tests/ also builds the docs site (mkdocs build --strict, which runs the notebooks:
-# tests/test_site.py) and the sdist and wheel (tests/test_package.py), each on one worker.
+# tests/test_site.py) and the sdist and wheel (tests/test_package.py).
 test: $(PKG)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 --dist loadgroup tests
+	$(BIN)/pytest -n 2 tests
 	$(BIN)/pytest --doctest-modules --pyargs remat
 
 # The property tests with fresh examples, REMAT_FUZZ times as many (test draws fixed ones).

@@ -27,7 +27,6 @@ import pytest
 import remat
 from tests.built_once import built_once
 
-pytestmark = pytest.mark.xdist_group("package")  # one worker builds and installs once
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "import_probe.py"
 

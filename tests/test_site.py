@@ -1,8 +1,9 @@
 """The docs site: ``mkdocs build --strict`` passes, and what it renders is there.
 
-The build runs once per session (make test's docs build is this one). It executes every
-notebook in notebooks/ (mkdocs-jupyter, ``allow_errors: false``): a cell that raises
-fails the build, so a failing notebook fails these tests.
+make test's docs build is this one. It runs every notebook in notebooks/ (mkdocs-jupyter,
+``allow_errors: false``): a cell that raises fails the build, so a failing notebook fails
+`test_site`. One test builds and checks the site (as subtests): the build takes one xdist
+worker, and no test on the other worker waits for it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,7 @@ from mkdocs.structure.files import File, Files
 from mkdocs_jupyter.plugin import NotebookFile
 
 from remat import policies
-from tests.built_once import built_once
 
-# One worker builds the site and runs these (make test: --dist loadgroup); the build runs
-# every notebook, about 40 s alone on 2 cores, longer while other tests run.
-pytestmark = [pytest.mark.xdist_group("site"), pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 IMAGE = re.compile(r'<img\b[^>]*\bsrc="([^"]+)"')
@@ -40,11 +37,11 @@ mkdocs_hooks = importlib.util.module_from_spec(_SPEC)  # loaded by path, as mkdo
 _SPEC.loader.exec_module(mkdocs_hooks)
 
 
-def _build(folder: Path) -> None:
+def _build(site: Path) -> None:
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"]
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "MKDOCS_JUPYTER_CACHE": "false"}
     done = subprocess.run(
-        [*command, "--site-dir", str(folder / "site")],
+        [*command, "--site-dir", str(site)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -52,12 +49,6 @@ def _build(folder: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
-
-
-@pytest.fixture(scope="session")
-def site(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """The built site."""
-    return built_once(tmp_path_factory, worker_id, "site", _build) / "site"
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
@@ -68,13 +59,10 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS)
-def test_notebook_page_shows_its_plots(site: Path, notebook: str) -> None:
-    """Each tutorial page holds its matplotlib figures, as PNGs that decode."""
-    page = site / "tutorials" / notebook / "index.html"
-    sources = IMAGE.findall(page.read_text())
+def _assert_plots_shown(page: Path) -> None:
+    """The page holds its matplotlib figures, as PNGs that decode."""
     pngs = []
-    for source in sources:
+    for source in IMAGE.findall(page.read_text()):
         if source.startswith("data:image/png;base64,"):
             pngs.append(base64.b64decode(source.split(",", 1)[1], validate=True))
         elif not source.startswith("data:"):
@@ -85,35 +73,45 @@ def test_notebook_page_shows_its_plots(site: Path, notebook: str) -> None:
         assert min(width, height) > 100
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS)
-def test_notebook_page_ran_every_cell(site: Path, notebook: str) -> None:
-    """Every code cell of the notebook shows an execution count on its page."""
-    cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+def _assert_every_cell_ran(page: Path, notebook: Path) -> None:
+    """Every code cell of the notebook shows its execution count on the page."""
+    cells = json.loads(notebook.read_text())["cells"]
     code = [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).strip()]
-    prompts = PROMPT.findall((site / "tutorials" / notebook / "index.html").read_text())
-    assert prompts == [str(i) for i in range(1, len(code) + 1)]
+    assert PROMPT.findall(page.read_text()) == [str(i) for i in range(1, len(code) + 1)]
 
 
-def test_notebook_links_point_at_pages(site: Path) -> None:
-    """The notebooks' links to docs/*.md lead to the built pages (mkdocs_hooks.py)."""
-    found = 0
-    for notebook in NOTEBOOKS:
-        source = (ROOT / "notebooks" / f"{notebook}.ipynb").read_text()
-        html = (site / "tutorials" / notebook / "index.html").read_text()
-        assert not re.findall(r'href="[^"]*\.md[#"]', html), f"a link to a .md file in {notebook}"
-        for name, anchor in re.findall(r"\]\(\.\./docs/([\w-]+)\.md(#[\w-]+)?\)", source):
-            assert f'href="../../{name}/{anchor}"' in html
-            assert (site / name / "index.html").is_file()
-            found += 1
-    assert found >= 5
+def _assert_links_lead_to_pages(site: Path, page: Path, notebook: Path) -> int:
+    """The notebook's links to docs/*.md lead to built pages (mkdocs_hooks.py)."""
+    html = page.read_text()
+    assert not re.findall(r'href="[^"]*\.md[#"]', html), "a link to a .md file"
+    links = re.findall(r"\]\(\.\./docs/([\w-]+)\.md(#[\w-]+)?\)", notebook.read_text())
+    for name, anchor in links:
+        assert f'href="../../{name}/{anchor}"' in html
+        assert (site / name / "index.html").is_file()
+    return len(links)
 
 
-def test_api_reference_lists_the_models_api_and_every_policy(site: Path) -> None:
-    """The API page documents remat.apply, remat.checkpoint and all of remat.policies."""
-    html = (site / "api" / "index.html").read_text()
-    documented = set(re.findall(r'id="(remat(?:\.policies)?\.\w+)"', html))
-    expected = {f"remat.policies.{name}" for name in policies.__all__}
-    assert {"remat.apply", "remat.checkpoint"} | expected <= documented
+@pytest.mark.timeout(600)  # the notebooks: about 40 s alone on 2 cores, longer beside tests
+def test_site(tmp_path: Path, subtests: pytest.Subtests) -> None:
+    """The strict build passes; notebook pages and the API page hold what they should."""
+    site = tmp_path / "site"
+    _build(site)
+    links = 0
+    for name in NOTEBOOKS:
+        page = site / "tutorials" / name / "index.html"
+        notebook = ROOT / "notebooks" / f"{name}.ipynb"
+        with subtests.test("plots", notebook=name):
+            _assert_plots_shown(page)
+        with subtests.test("every cell ran", notebook=name):
+            _assert_every_cell_ran(page, notebook)
+        with subtests.test("links", notebook=name):
+            links += _assert_links_lead_to_pages(site, page, notebook)
+    assert links >= 5
+    with subtests.test("API reference"):
+        html = (site / "api" / "index.html").read_text()
+        documented = set(re.findall(r'id="(remat(?:\.policies)?\.\w+)"', html))
+        expected = {f"remat.policies.{name}" for name in policies.__all__}
+        assert {"remat.apply", "remat.checkpoint"} | expected <= documented
 
 
 def _linked(html: str, src_uri: str = "tutorials/01_quickstart.ipynb") -> str:
