@@ -202,12 +202,14 @@ def gpt_workload(
     warmup: int,
     device: torch.device,
     model: type[GPT | Llama] = GPT,
+    all_modes: dict[str, Checkpoint] | None = None,
 ) -> list[Row]:
-    """A decoder (GPT or Llama): memory and the time of forward plus backward, per mode."""
+    """A decoder (GPT or Llama): memory and the time of forward plus backward, per mode
+    (by default every mode of `modes`)."""
     torch.manual_seed(0)
     base = model(config).to(device)
     tokens, targets = (t.to(device) for t in make_batches(config, batch, 1)[0])
-    all_modes, _ = modes()
+    all_modes = all_modes or modes()[0]
     models = {}
     for mode, wrap in all_modes.items():
         models[mode] = copy.deepcopy(base)
@@ -227,6 +229,92 @@ def gpt_workload(
     plain_loss = rows[0].loss
     for row in rows:
         row.same_loss = row.loss == plain_loss
+    return rows
+
+
+BUDGETS = tuple(i / 20 for i in range(21))
+
+
+def budget_modes() -> dict[str, Checkpoint]:
+    """The budget sweep's modes: `memory_budget` from 0 to 1 in steps of 0.05, and the fixed
+    points to compare with (plain, torch's checkpoint and SAC, remat's named policies)."""
+    found = modes()[0]
+    fixed = ["plain", "torch.utils.checkpoint", "torch SAC (mm, addmm, bmm, baddbmm)"]
+    fixed += ["remat save_nothing", "remat save_matmuls_no_batch", "remat save_matmuls"]
+    sweep = {
+        f"memory_budget({f:g})": remat.remat(policy=remat.policies.memory_budget(f))
+        for f in BUDGETS
+    }
+    return {**{mode: found[mode] for mode in fixed}, **sweep}
+
+
+def budget_summary(rows: Sequence[Row]) -> str:
+    """The issue's dominance checks, from the sweep's rows."""
+    by_mode = {r.mode: r for r in rows}
+    sac = by_mode["torch SAC (mm, addmm, bmm, baddbmm)"]
+    budgets = [r for r in rows if r.mode.startswith("memory_budget")]
+    lines = []
+    at_sac = max((r for r in budgets if r.held <= sac.held), key=lambda r: r.held)
+    lines.append(
+        f"Largest budget holding at most SAC's {_bytes(sac.held)}: {at_sac.mode} holds "
+        f"{_bytes(at_sac.held)} ({at_sac.held / sac.held:.2f}x SAC), step time "
+        f"{_time_ratio(at_sac, sac)} SAC's."
+    )
+    small = [r for r in budgets if r.held <= 0.8 * sac.held]
+    best = min(small, key=lambda r: _median_ratio(r, sac))
+    lines.append(
+        f"Fastest budget holding at most 0.8x SAC's bytes: {best.mode} holds "
+        f"{_bytes(best.held)} ({best.held / sac.held:.2f}x SAC), step time "
+        f"{_time_ratio(best, sac)} SAC's."
+    )
+    held = [r.held for r in budgets]
+    lines.append(
+        "Held bytes over the sweep are "
+        + ("non-decreasing" if held == sorted(held) else "NOT non-decreasing")
+        + " in the budget."
+    )
+    return " ".join(lines)
+
+
+def _median_ratio(row: Row, reference: Row) -> float:
+    return statistics.median(a / b for a, b in zip(row.times, reference.times, strict=True))
+
+
+@torch._inductor.config.patch(compile_threads=1)
+@torch._dynamo.config.patch(recompile_limit=64)
+def compiled_budget_workload(
+    config: GPTConfig,
+    batch: int,
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    backend: str,
+    budgets: Sequence[float],
+) -> list[Row]:
+    """Compiled plain GPT under torch's ``activation_memory_budget`` (a global knapsack over
+    the partitioner's saved values): the bytes saved for backward and the step time."""
+    torch.manual_seed(0)
+    base = GPT(config).to(device)
+    tokens, targets = (t.to(device) for t in make_batches(config, batch, 1)[0])
+    steps, rows = {}, []
+    for budget in budgets:
+        model = copy.deepcopy(base)
+        loss_fn = torch.compile(model.loss, backend=backend)
+
+        def step(model: GPT = model, loss_fn: Callable[..., Tensor] = loss_fn) -> Tensor:
+            torch.manual_seed(1)
+            model.zero_grad(set_to_none=True)
+            return loss_fn(tokens, targets)
+
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            step().backward()  # compiles, under this budget
+        saved, loss = _saved_for_backward(step, model)
+        mode = f"activation_memory_budget={budget:g}"
+        rows.append(Row(f"compiled ({backend}) budget sweep", mode, saved, 0, loss=loss.item()))
+        steps[mode] = step
+    _time_rows(rows, steps, rounds, warmup, device)
+    for row in rows:  # the last budget's loss (1: compiled plain), to the kernels' rounding
+        row.same_loss = math.isclose(row.loss, rows[-1].loss, rel_tol=1e-5)
     return rows
 
 
@@ -523,7 +611,7 @@ def format_rows(rows: Sequence[Row]) -> str:
     out = []
     for workload in dict.fromkeys(r.workload for r in rows):
         group = [r for r in rows if r.workload == workload]
-        plain = next(r for r in group if r.mode == "plain")
+        plain = next((r for r in group if r.mode == "plain"), None)
         ckpt = next((r for r in group if r.mode == "torch.utils.checkpoint"), None)
         sac = next((r for r in group if r.mode.startswith("torch SAC")), None)
         body = []
@@ -532,10 +620,10 @@ def format_rows(rows: Sequence[Row]) -> str:
                 [
                     r.mode,
                     _bytes(r.held) if r.held else "-",
-                    _ratio(r.held, plain.held),
+                    _ratio(r.held, plain.held if plain else None),
                     _ratio(r.held, ckpt.held if ckpt else None),
                     _bytes(r.peak) if r.peak else "-",
-                    _ratio(r.peak, plain.peak),
+                    _ratio(r.peak, plain.peak if plain else None),
                     f"{1e3 * r.time:.0f} ms" if r.time else "-",
                     _time_ratio(r, plain),
                     _time_ratio(r, ckpt),
@@ -581,6 +669,37 @@ def _plots(rows: Sequence[Row], out: Path) -> list[str]:
         fig.tight_layout()
         fig.savefig(out / "memory_vs_time.png", dpi=120)
         files.append("memory_vs_time.png")
+    budget = [r for r in rows if r.workload.startswith("budget sweep") and r.time]
+    if budget:
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+        curve = [r for r in budget if r.mode.startswith("memory_budget")]
+        ax.plot(
+            [r.held / 2**20 for r in curve],
+            [r.time * 1e3 for r in curve],
+            marker=".",
+            label="remat memory_budget(0 ... 1, step 0.05)",
+        )
+        fixed = [r for r in budget if not r.mode.startswith("memory_budget")]
+        for r, marker in zip(fixed, "osD^vPX*", strict=False):
+            ax.scatter(r.held / 2**20, r.time * 1e3, marker=marker, s=60, alpha=0.7, label=r.mode)
+        compiled = [r for r in rows if "budget" in r.workload and r.workload.startswith("compiled")]
+        if compiled and all(r.time for r in compiled):
+            ax.plot(
+                [r.held / 2**20 for r in compiled],
+                [r.time * 1e3 for r in compiled],
+                marker="x",
+                linestyle="--",
+                label="torch.compile, activation_memory_budget (saved bytes)",
+            )
+        ax.set(
+            xlabel="held after forward (MiB)",
+            ylabel="step time (ms)",
+            title="Reference GPT: memory budget against step time",
+        )
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "budget_sweep.png", dpi=120)
+        files.append("budget_sweep.png")
     sweep = [r for r in rows if r.workload.startswith("depth ")]
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -635,6 +754,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = gpt_workload(
         "reference GPT", reference, sizes["batch"], sizes["rounds"], sizes["warmup"], device
     )
+    budget_rows = gpt_workload(
+        "budget sweep (reference GPT)",
+        reference,
+        sizes["batch"],
+        max(1, sizes["rounds"] // 2),
+        sizes["warmup"],
+        device,
+        all_modes=budget_modes(),
+    )
+    rows += budget_rows
     llama = dataclasses.replace(reference, blocks=4, dropout=0.0)
     rows += gpt_workload(
         "Llama-style, 4 blocks",
@@ -666,8 +795,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows += compiled_workload(
         reference, sizes["batch"], sizes["rounds"] // 2, sizes["warmup"], device, backend
     )
+    rows += compiled_budget_workload(
+        reference,
+        sizes["batch"],
+        sizes["rounds"] // 2,
+        sizes["warmup"],
+        device,
+        backend,
+        (0.5, 1.0) if args.smoke else (0.25, 0.5, 0.75, 1.0),
+    )
     tables = format_rows(rows)
-    lines = [header, missing or "", tables, note]
+    budget = budget_summary(budget_rows) if budget_rows[0].times else ""
+    lines = [header, missing or "", tables, budget, note]
     if micro:
         lines.append(
             "Tiny region, forward and backward, us per call: "
@@ -689,6 +828,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "missing": missing,
         "rows": [{**dataclasses.asdict(r), "time": r.time} for r in rows],
         "per_sample_note": note,
+        "budget_summary": budget,
         "overhead_us": micro,
         "rng_block_forward_ms": rng,
         "plots": files,

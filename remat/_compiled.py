@@ -40,6 +40,13 @@ def traced(
         # torch's checkpoint operator does not run under torch.func transforms; the
         # graph Dynamo makes of a transform computes gradients itself: trace ``fn``.
         return fn(*args, **kwargs)
+    if policy.budget is not None and policy.per_op:
+        raise RuntimeError(
+            f"`remat`: {policy.budget!r} chooses what to keep from a region's eager forward, "
+            "which torch.compile does not run. Compile with a policy that decides by op "
+            "(`save_matmuls`, `save_ops(...)`), or use torch's own "
+            "`torch._functorch.config.activation_memory_budget`, or run this region eagerly."
+        )
     context: dict[str, Any] = {}
     if policy.per_op:
         decide = functools.partial(_decide, policy)

@@ -221,6 +221,7 @@ class _Setting:
 
     def __init__(
         self,
+        fn: Callable[..., Any],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
         generators: list[torch.Generator],
@@ -233,7 +234,7 @@ class _Setting:
         self.rng = RngCapture() if preserve_rng else None
         self.generators = generators
         collecting = _introspect.current() is not None
-        self.keeper = Keeper(policy, inputs, collecting) if policy.per_op else None
+        self.keeper = Keeper(policy, inputs, collecting, fn) if policy.per_op else None
         self.trace: list[TraceEntry] | None = [] if debugging() else None
         # Other threads may draw from the shared generators: capture per random op.
         self.threaded = preserve_rng and threaded()
@@ -329,7 +330,7 @@ class Region:
         self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
         self.meta: list[_Meta] = []
         self.saved_inputs: set[int] = set()
-        self.setting = _Setting(inputs, modules, generators, policy, preserve_rng)
+        self.setting = _Setting(fn, inputs, modules, generators, policy, preserve_rng)
         self.levels, self.keeper = self.setting.levels, self.setting.keeper  # read everywhere
         self.mode: OpMode | None = None  # the forward's, while it runs
         self.running = False  # whether the forward runs
@@ -428,6 +429,7 @@ class Region:
             kind = "offloaded" if index in keeper.offload else "saved"
             name = ", ".join(sorted(keeper.tags.get(index, ()))) or None
             where = f"output of {op.overloadpacket} at {(keeper.sources or {}).get(index, '?')}"
+            where += keeper.reason(index)
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor):
                     found.add(t, kind, op, name, where)

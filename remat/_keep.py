@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _torch_private
+from . import _budget, _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
@@ -292,22 +292,27 @@ class Keeper:
     """The forward side: signatures, the policy's decisions, and what the recompute needs."""
 
     __slots__ = (
+        "budget",
+        "costs",
         "decided",
         "deps",
         "described",
         "error",
         "finished",
         "kept",
+        "key",
         "keys",
         "layouts",
         "made",
         "offload",
         "ops",
         "outside",
+        "plan",
         "policy",
         "provenance",
         "rebuilt_before",
         "roots",
+        "saved_bytes",
         "signatures",
         "skip",
         "skips",
@@ -317,7 +322,13 @@ class Keeper:
         "wanted",
     )
 
-    def __init__(self, policy: Policy, inputs: list[torch.Tensor], sources: bool = False) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        inputs: list[torch.Tensor],
+        sources: bool,
+        fn: Callable[..., Any],
+    ) -> None:
         self.policy = policy
         # op -> the policy's decision, for a policy that decides by the op alone
         self.decided: dict[Any, Decision] | None = {} if policy.by_op else None
@@ -342,6 +353,17 @@ class Keeper:
         self.rebuilt_before = 0
         self.skips = True
         self.finished = False
+        # `memory_budget`: its plan for this region's signature, or (while it has none)
+        # each op's estimated cost and the storages autograd saves (ptr -> bytes).
+        self.budget = policy.budget
+        self.plan: _budget.Plan | None = None
+        self.costs: list[float] | None = None
+        self.saved_bytes: dict[int, int] = {}
+        self.key: Any = None
+        if self.budget is not None:
+            self.key = _budget.signature(fn, _plain(inputs))
+            self.plan = _budget.lookup(self.budget, self.key)
+            self.costs = [] if self.plan is None else None
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Record one forward op: its signature, and the policy's decision on its outputs."""
@@ -358,10 +380,13 @@ class Keeper:
         provenance.record(func, args, out, index)
         layout = _Shape.of(out)
         self.layouts.append(layout)
+        decided = kind in (_DECIDED, _READS_METADATA) and layout is not None
+        if self.budget is not None:
+            decided = self._budgeted(index, func, args, kwargs, out, decided)
         if kind == _ALWAYS_RUNS or layout is None:
             self.roots.append(index)
             return
-        if kind == _VIEW:
+        if not decided:
             return
         decision = self.decided.get(func) if self.decided is not None else None
         if decision is None:
@@ -375,6 +400,43 @@ class Keeper:
         if decision is not Decision.RECOMPUTE:
             self._apply(index, decision, out)
 
+    def _budgeted(
+        self, index: int, func: Any, args: Any, kwargs: Any, out: Any, decided: bool
+    ) -> bool:
+        """Whether `memory_budget` may keep op ``index``: while it plans, any op it may
+        choose (its cost is noted); then the ops its plan keeps, while the forward runs
+        the planned ops (one that does not keeps nothing, and the next call plans again).
+        """
+        if self.costs is not None:
+            self.costs.append(self._cost(OpCall(func, args, kwargs, out)) if decided else 0.0)
+            return decided
+        plan = self.plan
+        if plan is None:
+            return False
+        if not plan.fits(index, func, self.layouts[index], self.deps[index]):
+            self._abandon()
+            return False
+        return index in plan.keep
+
+    def _abandon(self) -> None:
+        """The forward is not the one planned: keep nothing, and plan on the next call."""
+        _budget.store(self.budget, self.key, None)
+        self.plan = None
+        self.kept.clear()
+        self.offload.clear()
+
+    def _cost(self, call: OpCall) -> float:
+        assert self.budget is not None
+        estimate = self.budget.cost or _budget.estimated_cost
+        value = estimate(call)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            self.error = self.error or TypeError(
+                f"`memory_budget`: `cost` must return a number >= 0, but {estimate!r} "
+                f"returned {value!r} for {call.op}."
+            )
+            return 0.0
+        return float(value)
+
     def tag(self, t: torch.Tensor, names: frozenset[str]) -> None:
         """`remat.name`: ask the policy again about the op that produced ``t``."""
         made = self.provenance.made.get(id(t)) if self.provenance is not None else None
@@ -383,6 +445,8 @@ class Keeper:
         index = made.op
         names = self.tags.get(index, frozenset()) | names
         self.tags[index] = names
+        if self.budget is not None:  # the budget decides by cost, whatever the names
+            return
         func = self.ops[index]
         decision = as_decision(self.policy, self.policy(OpCall(func, (), {}, t, names)), func)
         self.kept.pop(index, None)
@@ -419,6 +483,9 @@ class Keeper:
             index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
         if index is not None:
             self.wanted.add(index)
+            key = storage_key(plain)
+            if self.costs is not None and key and _kind(self.ops[self._base(index)]) != _VIEW:
+                self.saved_bytes[key[0]] = plain.untyped_storage().nbytes()  # made here
         # The logical shape too: under vmap, two saved values may share their batched tensor.
         signature = _hashable((descriptor, *_saved_as(t)))
         self.signatures.setdefault(signature, []).append(handle)
@@ -443,6 +510,12 @@ class Keeper:
         if self.error is not None:
             raise self.error
         self.skips = self.skips and skip
+        if self.costs is not None:
+            self._choose()
+        elif self.plan is not None and (
+            len(self.ops) != len(self.plan.ops) or self.wanted != self.plan.wanted
+        ):
+            self._abandon()  # autograd saved other values: the plan's bound may not hold
         needed = self._needed()
         with _torch_private.functorch_cleared():
             for index in list(self.kept):
@@ -455,6 +528,55 @@ class Keeper:
         self._skip(needed)
         self.made = self.provenance.made  # type: ignore[union-attr]
         self.provenance, self.keys, self.finished = None, {}, True
+
+    def _choose(self) -> None:
+        """`memory_budget`'s first forward of a signature: choose what to keep, and plan."""
+        assert self.budget is not None
+        assert self.costs is not None
+        limit = self.rebuilt_before
+        starts = [i for i in self.wanted if i < limit] + [r for r in self.roots if r < limit]
+        candidates: dict[int, int] = {}
+        for index in map(self._base, starts):
+            entry = self.kept.get(index)
+            if entry is not None and _version(entry[0]) == entry[1]:
+                candidates[index] = sum(t.untyped_storage().nbytes() for t in _outputs(entry[0]))
+        plain = sum(self.saved_bytes.values())
+        order, why = _budget.choose(
+            self.budget.fraction, candidates, plain, self.deps, self.costs, starts
+        )
+        for index in set(self.kept) - set(order):
+            self.kept.pop(index)
+            self.offload.pop(index, None)
+        held = sum(candidates[i] for i in order)
+        self.plan = _budget.Plan(
+            tuple(self.ops),
+            tuple(self.layouts),
+            tuple(self.deps),
+            frozenset(self.wanted),
+            frozenset(order),
+            why,
+            plain,
+            held,
+        )
+        _budget.store(self.budget, self.key, self.plan)
+        self.costs = None
+
+    def _base(self, index: int) -> int:
+        """The op that made the memory op ``index``'s output views (a view is kept by
+        keeping its base); a view op itself for a view of a region input."""
+        while _kind(self.ops[index]) == _VIEW and self.deps[index]:
+            index = self.deps[index][0]
+        return index
+
+    def reason(self, index: int) -> str:
+        """Why `memory_budget` keeps op ``index``'s outputs, for `saved_residuals`."""
+        plan = self.plan
+        if plan is None or index not in plan.why:
+            return ""
+        return (
+            f"; {self.budget!r} keeps it ({plan.why[index]}; the region holds {plan.held} "
+            f"of plain autograd's {plan.plain} bytes)"
+        )
 
     def release(self) -> None:
         """After a recompute: drop every kept value, as nothing may read them again.

@@ -20,6 +20,7 @@ __all__ = [
     "Decision",
     "OpCall",
     "Policy",
+    "memory_budget",
     "offload",
     "resolve",
     "save_all_but_names",
@@ -83,13 +84,15 @@ class Policy:
     ``keeps_everything`` marks a policy under which a region is just ``fn``;
     ``per_op`` says whether the engine must show the policy each op;
     ``by_op`` says whether the decision depends on the op alone (the engine then asks
-    once per op and region); ``device`` is where `offload` moves what it keeps.
+    once per op and region); ``device`` is where `offload` moves what it keeps;
+    ``budget`` is the `memory_budget` that chooses among what the policy keeps.
     """
 
     keeps_everything: bool = False
     per_op: bool = True
     by_op: bool = False
     device: torch.device | None = None
+    budget: memory_budget | None = None
 
     def __call__(self, call: OpCall) -> Decision | bool:
         raise NotImplementedError
@@ -264,6 +267,7 @@ class offload(Policy):  # noqa: N801
         object.__setattr__(self, "policy", resolve(policy))
         object.__setattr__(self, "device", _device(device))
         object.__setattr__(self, "by_op", self.policy.by_op)
+        object.__setattr__(self, "budget", self.policy.budget)
 
     def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
         decision = self.policy.decide(op, call)
@@ -292,6 +296,64 @@ def _device(device: Any) -> torch.device:
 
 
 @dataclasses.dataclass(frozen=True)
+class memory_budget(Policy):  # noqa: N801
+    """Keep at most ``fraction`` of what plain autograd keeps; recompute the cheapest rest.
+
+    Per region, the kept values are at most ``fraction`` times the bytes plain autograd
+    holds for the region (its inputs, held by reference, are not counted). Among the
+    values the backward reads, the budget keeps those whose recompute costs most per
+    byte (``cost`` estimates an op's cost; by default a roofline: FLOPs for matrix
+    products and convolutions, bytes moved for the rest). The choice is made on the
+    first call of each region signature (function, input shapes, dtypes and devices),
+    which holds every value its backward reads until the region ends, and replayed
+    after. A larger ``fraction`` never holds less nor recomputes more. ``0`` is
+    `save_nothing`, ``1`` is `save_everything`.
+
+    Examples:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> f = remat(lambda x: x.sin().exp(), policy=policies.memory_budget(0.5))
+        >>> torch.func.grad(lambda x: f(x).sum())(torch.ones(3))
+        tensor([1.2534, 1.2534, 1.2534])
+    """
+
+    fraction: float
+    cost: Callable[[OpCall], float] | None = None
+    by_op = True
+
+    def __init__(self, fraction: float, *, cost: Callable[[OpCall], float] | None = None) -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(
+                f"`memory_budget`: `fraction` must be a number in [0, 1], got {fraction!r}."
+            )
+        if not 0 <= fraction <= 1:
+            raise ValueError(
+                f"`memory_budget`: `fraction` must be in [0, 1] (a share of what plain "
+                f"autograd keeps), got {fraction!r}."
+            )
+        if cost is not None and not callable(cost):
+            raise TypeError(
+                f"`memory_budget`: `cost` must be a callable taking an `OpCall` and "
+                f"returning a number, got {cost!r}."
+            )
+        object.__setattr__(self, "fraction", float(fraction))
+        object.__setattr__(self, "cost", cost)
+        object.__setattr__(self, "per_op", fraction > 0)
+        object.__setattr__(self, "keeps_everything", fraction == 1)
+        object.__setattr__(self, "budget", self)
+
+    def decide(self, op: Any, call: Callable[[], OpCall]) -> Decision:
+        return Decision.SAVE  # the region's bookkeeping keeps only the budget's choice
+
+    def __call__(self, call: OpCall) -> Decision:
+        return Decision.SAVE
+
+    def __repr__(self) -> str:
+        cost = "" if self.cost is None else f", cost={getattr(self.cost, '__name__', self.cost)}"
+        return f"memory_budget({self.fraction:g}{cost})"
+
+
+@dataclasses.dataclass(frozen=True)
 class _Combined(Policy):
     """``left | right`` keeps what either keeps; ``left & right``, what both keep."""
 
@@ -300,6 +362,12 @@ class _Combined(Policy):
     symbol: str
 
     def __post_init__(self) -> None:
+        budget = self.left.budget or self.right.budget
+        if budget is not None:
+            raise TypeError(
+                f"`remat`: {budget!r} chooses what to keep over a whole region, so it "
+                f"cannot be combined with `{self.symbol}`. Use it alone, or inside `offload`."
+            )
         object.__setattr__(self, "device", self.left.device or self.right.device)
         object.__setattr__(self, "by_op", self.left.by_op and self.right.by_op)
 

@@ -59,6 +59,7 @@ __all__ = [
     "rewraps_outputs",
     "install",
     "is_aten_op",
+    "flops",
     "watch_storage_resizes",
     "TorchDispatchMode",
 ]
@@ -265,6 +266,23 @@ def watch_storage_resizes() -> None:
 def is_aten_op(value: Any) -> bool:
     """Whether ``value`` is an aten operator (an overload or an overload packet)."""
     return isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def flops(op: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one aten op by torch's FLOP counter formulas (0 where it has none).
+
+    ``flop_registry`` is the table `torch.utils.flop_counter.FlopCounterMode` reads;
+    no public function evaluates one op's formula.
+    """
+    from torch.utils import flop_counter  # imported when a budget first plans
+
+    formula = flop_counter.flop_registry.get(op.overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, out_val=out, **kwargs))
+    except Exception:  # a formula that does not take these arguments: count none
+        return 0
 
 
 def functorch_interpreters() -> list[Any]:

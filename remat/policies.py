@@ -9,6 +9,7 @@ keep), or pass any callable taking an `OpCall` and returning a `bool` or a
 from ._policies import Decision as Decision
 from ._policies import OpCall as OpCall
 from ._policies import Policy as Policy
+from ._policies import memory_budget as memory_budget
 from ._policies import offload as offload
 from ._policies import save_all_but_names as save_all_but_names
 from ._policies import save_everything as save_everything
@@ -22,6 +23,7 @@ __all__ = [
     "Decision",
     "OpCall",
     "Policy",
+    "memory_budget",
     "offload",
     "save_all_but_names",
     "save_everything",

@@ -740,6 +740,9 @@ POLICIES: dict[str, Any] = {
     & policies.save_ops(aten.mm, aten.add),
     "offload:save_ops:mul_or_save_ops:cat": policies.offload(policies.save_ops(aten.mul))
     | policies.save_ops(aten.cat),
+    "memory_budget:0.3": policies.memory_budget(0.3),
+    "memory_budget:0.7": policies.memory_budget(0.7),
+    "offload:memory_budget:0.5": policies.offload(policies.memory_budget(0.5)),
 }
 
 # Ops the programs run (and a few they don't), for `custom_policies` to decide on.

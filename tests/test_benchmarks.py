@@ -12,7 +12,11 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     results = suite.main(["--smoke", "--out", str(tmp_path), "--threads", "1"])
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["rows"] == results["rows"]
-    assert sorted(written["plots"]) == ["memory_vs_depth.png", "memory_vs_time.png"]
+    assert sorted(written["plots"]) == [
+        "budget_sweep.png",
+        "memory_vs_depth.png",
+        "memory_vs_time.png",
+    ]
     for plot in written["plots"]:
         assert (tmp_path / plot).stat().st_size > 0
     modes = set(suite.modes()[0])
@@ -23,6 +27,10 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
         expected = placement if workload.startswith("placement:") else modes
         if workload.startswith("compiled"):
             expected = modes - {"torch_remat"}
+        if "budget sweep" in workload:
+            expected = set(suite.budget_modes())
+            if workload.startswith("compiled"):
+                expected = {"activation_memory_budget=0.5", "activation_memory_budget=1"}
         assert {r["mode"] for r in written["rows"] if r["workload"] == workload} == expected
     assert any(w.startswith("placement:") for w in workloads)
     assert any(w.startswith("compiled (aot_eager)") for w in workloads)
@@ -33,3 +41,4 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     assert "### reference GPT" in table
     assert table.strip() in capsys.readouterr().out
     assert "fails" in written["per_sample_note"]
+    assert "non-decreasing in the budget" in written["budget_summary"]

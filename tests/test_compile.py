@@ -156,6 +156,14 @@ def test_explain_reports_one_graph_and_no_break(policy):
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
 
 
+def test_memory_budget_refuses_to_compile():
+    """`memory_budget` chooses from an eager forward: under torch.compile it raises, naming
+    itself and what to use instead."""
+    model = _model(remat.remat(policy=policies.memory_budget(0.5)))
+    with pytest.raises(Exception, match=r"memory_budget\(0.5\) chooses what to keep from a"):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(_input())
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_inductor_float32_matches_compiled_plain():
     """inductor in float32, dropout on: loss and gradients within 1e-5 of compiled plain's."""

@@ -31,7 +31,7 @@ F = nn.functional
 # Keeps a value whose input the recompute would skip (bodies have no matrix products).
 _KEEP_SOFTMAX = remat.policies.save_ops(torch.ops.aten._softmax, torch.ops.aten.exp)
 _NAMED = (p for p in vars(remat.policies).values() if isinstance(p, remat.policies.Policy))
-POLICIES = [*sorted(_NAMED, key=repr), _KEEP_SOFTMAX]
+POLICIES = [*sorted(_NAMED, key=repr), remat.policies.memory_budget(0.5), _KEEP_SOFTMAX]
 
 
 # Region bodies. Every one is shape-polymorphic, so any stack of transforms can wrap it,
@@ -212,6 +212,7 @@ def _tolerance(orders):
 # Two grad levels: the outer one differentiates the recompute's own ops, so the recompute
 # may skip none (a skipped input of the kept softmax crashed the outer backward).
 @example(stack=[_t_grad, _t_grad], body="softmax", policy=_KEEP_SOFTMAX)
+@example(stack=[_t_jacfwd, _t_grad], body="softmax", policy=remat.policies.memory_budget(0.5))
 @given(
     stack=st.lists(transforms, min_size=1, max_size=3),
     body=st.sampled_from(sorted(BODIES)),

@@ -142,6 +142,8 @@ POLICIES = {
         offload(policies.save_matmuls) & save_all_but_names("up")
     ),
     "save_everything | save_nothing": policies.save_everything | policies.save_nothing,
+    "memory_budget(0.5)": policies.memory_budget(0.5),
+    "offload(memory_budget(0.8))": offload(policies.memory_budget(0.8)),
     "custom -> bool": _keep_batched,
     "custom -> Decision": _offload_up_save_mm,
 }
@@ -532,7 +534,9 @@ def test_saved_residuals_agree_with_memory_tracker(policy):
     for r in records:
         if r.kind != "input" and fn.policy is not policies.save_everything:
             assert isinstance(r.op, torch._ops.OpOverload), r
-            assert re.fullmatch(rf"output of {r.op.overloadpacket} at {FILE}:\d+", r.source), r
+            budget = r"; memory_budget\(.+\) keeps it \(spares recompute cost .+\)"
+            where = rf"output of {r.op.overloadpacket} at {FILE}:\d+"
+            assert re.fullmatch(where + (budget if fn.policy.budget else ""), r.source), r
     held = sum(r.nbytes for r in records if r.kind != "input")
     assert held == _held(fn, x, p)
 

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+import torch.utils.flop_counter
 from torch.func import grad, jvp, vmap
 
 from remat import _torch_private as tp
@@ -592,3 +593,14 @@ def test_watch_storage_resizes_tells_modes_and_leaves_torch_alone():
         storage.resize_(8)  # the same size: nothing to hear
         storage.resize_(24)
     assert heard == [(storage, 24)]
+
+
+def test_flops_reads_torch_flop_counter_formulas():
+    """`flops` gives FlopCounterMode's count for one op, and 0 for ops without a formula."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    out = a @ b
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        torch.mm(a, b)
+    assert tp.flops(torch.ops.aten.mm.default, (a, b), {}, out) == counter.get_total_flops() == 120
+    assert tp.flops(torch.ops.aten.sin.default, (a,), {}, a.sin()) == 0
+    assert tp.flops(torch.ops.aten.mm.default, (a,), {}, out) == 0  # a formula that cannot apply

@@ -1,0 +1,341 @@
+"""`memory_budget`: the bytes bound, monotonicity in the budget, the endpoints, plans and errors.
+
+The bound and monotonicity are checked against measurements that do not use the budget's
+own bookkeeping: the bytes autograd saves in a plain run (a pack hook, and a dispatch
+mode that sees which storages the function made), the bytes `saved_residuals` lists, and
+the ops and FLOPs a dispatch mode counts during the backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import remat
+from benchmarks._models import GPT, GPTConfig, Llama, make_batches
+from remat import policies
+from remat import remat as rm
+from tests.helpers import (
+    KINDS,
+    NAMESPACE,
+    assert_tree_equal,
+    cases,
+    examples,
+    loss_of,
+    run_backward,
+)
+
+FRACTIONS = (0.0, 0.05, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
+SMALL = GPTConfig(vocab=64, seq=16, width=32, heads=2, blocks=2, dropout=0.1)
+
+
+class _RealOps(TorchDispatchMode):
+    """Counts the ops that compute something: no views, nothing on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+        if not func.is_view and all(t.device.type != "meta" for t in tensors):
+            self.count += 1
+        return out
+
+
+class _Made(TorchDispatchMode):
+    """The storages ops make (not views of what existed before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    self.storages.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def _plain_saved_bytes(call: Any) -> int:
+    """Bytes of the storages made inside ``call`` that plain autograd saves for backward."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    made = _Made()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), made:
+        call()
+    return sum(n for ptr, n in saved.items() if ptr in made.storages)
+
+
+def _held(fn: Any, *args: Any, **kwargs: Any) -> int:
+    """Bytes a remat'd call holds after its forward, besides its inputs."""
+    return sum(r.nbytes for r in remat.saved_residuals(fn, *args, **kwargs) if r.op is not None)
+
+
+def _backward_work(loss: torch.Tensor) -> tuple[int, int]:
+    """Ops and FLOPs of a backward (the recompute's included)."""
+    ops = _RealOps()
+    with FlopCounterMode(display=False) as flops, ops:
+        loss.backward()
+    return ops.count, flops.get_total_flops()
+
+
+def _assert_monotone(rows: list[tuple[float, int, int, int]], plain: int) -> None:
+    """Per fraction: held within the bound; held up and recompute work down along the sweep."""
+    for fraction, held, _, _ in rows:
+        if fraction < 1:
+            assert held <= fraction * plain, (fraction, held, plain)
+    for (f0, h0, o0, w0), (f1, h1, o1, w1) in itertools.pairwise(rows):
+        assert h0 <= h1, (f0, h0, f1, h1)
+        assert o0 >= o1, (f0, o0, f1, o1)
+        assert w0 >= w1, (f0, w0, f1, w1)
+
+
+# 1. The invariants over random programs -------------------------------------------------------
+
+
+@examples(25)
+@given(case=cases(kinds=tuple(k for k in KINDS if k != "inner_grad")))
+def test_budget_bound_and_monotonicity_on_random_programs(case):
+    """On random programs: held <= fraction * plain's bytes, non-decreasing in the fraction;
+    recomputed ops and FLOPs non-increasing; gradients bitwise plain's at every fraction."""
+    plain_inst = case.make()
+    plain = _plain_saved_bytes(plain_inst)
+    expected = run_backward(case.make())
+    rows = []
+    for fraction in FRACTIONS:
+        wrap = functools.partial(rm, policy=policies.memory_budget(fraction), namespace=NAMESPACE)
+        inst = case.make(wrap)
+        inst()  # plans (or finds the last example's plan does not fit, and plans on the next call)
+        held = _held(inst.fn, *inst.args, **inst.kwargs)
+        inst = case.make(wrap)
+        out = inst()
+        loss = loss_of(out)
+        ops, flops = _backward_work(loss) if loss is not None else (0, 0)
+        rows.append((fraction, held, ops, flops))
+        assert_tree_equal(run_backward(case.make(wrap)), expected)
+    _assert_monotone(rows, plain)
+
+
+# 2. The reference GPT and a Llama-style stack -------------------------------------------------
+
+
+def _decoder_sweep(model_type: type[GPT | Llama], config: GPTConfig) -> None:
+    torch.manual_seed(0)
+    base = model_type(config)
+    tokens, targets = make_batches(config, 2, 1)[0]
+
+    def run(model: GPT | Llama) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
+    def block_calls(wrap: Any) -> Any:
+        model = copy.deepcopy(base)
+        model.checkpoint = wrap
+        return model
+
+    plain_model = block_calls(lambda block: block)
+    expected = run(plain_model)
+    plain = _plain_saved_bytes(lambda: plain_model.loss(tokens, targets)) - _plain_saved_bytes(
+        lambda: block_calls(rm).loss(tokens, targets)
+    )  # plain's bytes for the regions: what save_nothing drops
+    nothing = _held(block_calls(rm).loss, tokens, targets)
+    rows = []
+    for fraction in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0):
+        model = block_calls(rm(policy=policies.memory_budget(fraction)))
+        assert_tree_equal(run(model), expected)  # plans on the first call
+        held = _held(model.loss, tokens, targets) - nothing
+        torch.manual_seed(1)
+        rows.append((fraction, held, *_backward_work(model.loss(tokens, targets))))
+    _assert_monotone(rows, plain)
+    assert rows[0][1] == 0
+    assert rows[-1][1] >= rows[-2][1]
+
+
+def test_budget_sweep_on_gpt():
+    """Reference GPT (dropout on): bitwise gradients, the bound and monotonicity, per fraction."""
+    _decoder_sweep(GPT, SMALL)
+
+
+def test_budget_sweep_on_llama():
+    """A 4-block Llama-style stack (SDPA, rotary, SwiGLU): the same."""
+    _decoder_sweep(Llama, GPTConfig(vocab=64, seq=16, width=32, heads=2, blocks=4, dropout=0.0))
+
+
+# 3. Endpoints, plans, reports -----------------------------------------------------------------
+
+
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(torch.nn.functional.gelu(x @ w1) @ w2).sin()
+
+
+def _mlp_args(n: int = 8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(n, n, generator=g, requires_grad=True) for _ in range(3))
+
+
+def test_endpoints_are_save_nothing_and_save_everything():
+    """``memory_budget(0)`` keeps what save_nothing keeps, ``memory_budget(1)`` what plain does."""
+    args = _mlp_args()
+    nothing = remat.saved_residuals(rm(_mlp), *args)
+    assert remat.saved_residuals(rm(_mlp, policy=policies.memory_budget(0)), *args) == nothing
+    everything = remat.saved_residuals(_mlp, *args)
+    assert remat.saved_residuals(rm(_mlp, policy=policies.memory_budget(1)), *args) == everything
+    assert not policies.memory_budget(0).per_op
+    assert policies.memory_budget(1).keeps_everything
+
+
+def test_choice_is_made_once_per_signature():
+    """The cost model runs on the first call of a signature only; new shapes plan again."""
+    calls: list[Any] = []
+
+    def cost(call: policies.OpCall) -> float:
+        calls.append(call.op)
+        return 1.0
+
+    f = rm(_mlp, policy=policies.memory_budget(0.5, cost=cost))
+    f(*_mlp_args()).sum().backward()
+    first = len(calls)
+    assert first > 0
+    f(*_mlp_args()).sum().backward()
+    assert len(calls) == first
+    f(*_mlp_args(4)).sum().backward()
+    assert len(calls) == 2 * first
+
+
+def test_cost_steers_the_choice():
+    """With equal-sized candidates, the budget keeps the one its cost model rates dearest."""
+    x = torch.randn(16, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * x.exp()).sum()  # the backward reads both, each 64 bytes
+
+    def dear(op: Any) -> Any:
+        return lambda call: 100.0 if call.op.overloadpacket is op else 1.0
+
+    for op in (torch.ops.aten.sin, torch.ops.aten.exp):
+        f = rm(fn, policy=policies.memory_budget(0.5, cost=dear(op)))
+        kept = [r.op.overloadpacket for r in remat.saved_residuals(f, x) if r.op is not None]
+        assert kept == [op]
+
+
+def test_saved_residuals_say_why():
+    """Each kept value's source names the budget, what keeping it spares, and the totals."""
+    f = rm(_mlp, policy=policies.memory_budget(0.6))
+    saved = [r for r in remat.saved_residuals(f, *_mlp_args()) if r.kind == "saved"]
+    assert saved
+    for r in saved:
+        assert "memory_budget(0.6) keeps it (spares recompute cost" in r.source
+        assert "of plain autograd's" in r.source
+
+
+def test_a_forward_that_is_not_the_planned_one_keeps_nothing_and_plans_again():
+    """Data-dependent control flow: a call that runs other ops than planned keeps nothing,
+    gives plain's gradients, and the next call plans for what it runs."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x: torch.Tensor, deep: bool) -> torch.Tensor:
+        h = torch.tanh(x @ w)
+        if deep:
+            h = torch.sigmoid(h @ w)
+        return h.sin() * h  # the backward reads two values: 0.9 keeps one
+
+    f = rm(fn, policy=policies.memory_budget(0.9))
+    x = torch.randn(8, 8, requires_grad=True)
+    for deep in (False, True, True, False):
+        got = torch.autograd.grad(f(x, deep).sum(), (x, w))
+        assert_tree_equal(got, torch.autograd.grad(fn(x, deep).sum(), (x, w)))
+    assert _held(f, x, True) > 0  # the last call dropped the deep plan: planned again
+    assert _held(f, x, False) == 0  # not the deep branch: nothing kept
+    assert _held(f, x, False) > 0  # planned for the shallow one
+
+
+def test_offloaded_budget_moves_what_it_keeps():
+    """``offload(memory_budget(f))`` holds on the offload device exactly what the budget keeps."""
+    args = _mlp_args()
+    kept = remat.saved_residuals(rm(_mlp, policy=policies.memory_budget(0.5)), *args)
+    moved = remat.saved_residuals(
+        rm(_mlp, policy=policies.offload(policies.memory_budget(0.5))), *args
+    )
+    assert [(r.shape, r.op) for r in kept if r.kind == "saved"] == [
+        (r.shape, r.op) for r in moved if r.kind == "offloaded"
+    ]
+
+
+# 4. Errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fraction", "error", "message"),
+    [
+        (
+            1.5,
+            ValueError,
+            "`memory_budget`: `fraction` must be in [0, 1] (a share of what plain "
+            "autograd keeps), got 1.5.",
+        ),
+        (
+            -0.1,
+            ValueError,
+            "`memory_budget`: `fraction` must be in [0, 1] (a share of what plain "
+            "autograd keeps), got -0.1.",
+        ),
+        ("half", TypeError, "`memory_budget`: `fraction` must be a number in [0, 1], got 'half'."),
+        (True, TypeError, "`memory_budget`: `fraction` must be a number in [0, 1], got True."),
+    ],
+)
+def test_bad_fraction_is_refused_at_construction(fraction, error, message):
+    """A fraction outside [0, 1], or not a number, raises when the policy is built."""
+    with pytest.raises(error) as info:
+        policies.memory_budget(fraction)
+    assert str(info.value) == message
+
+
+def test_bad_cost_is_refused():
+    """``cost`` must be callable (checked at construction) and return a number >= 0."""
+    with pytest.raises(TypeError, match=r"`cost` must be a callable taking an `OpCall`"):
+        policies.memory_budget(0.5, cost=3)
+    f = rm(_mlp, policy=policies.memory_budget(0.5, cost=lambda call: -1))
+    with pytest.raises(TypeError, match=r"`cost` must return a number >= 0, but .* returned -1"):
+        f(*_mlp_args())
+
+
+@pytest.mark.parametrize(
+    "combine", [lambda b: b | policies.save_matmuls, lambda b: policies.save_matmuls & b]
+)
+def test_budget_does_not_combine(combine):
+    """A budget chooses over the whole region: ``|`` and ``&`` refuse it, naming it."""
+    with pytest.raises(TypeError, match=r"memory_budget\(0.5\) chooses what to keep over a whole"):
+        combine(policies.memory_budget(0.5))
+
+
+def test_budget_pickles_and_compares_by_value():
+    """Budgets are values: equal fractions compare equal, and a pickled budget is equal."""
+    import pickle
+
+    budget = policies.memory_budget(0.25)
+    assert budget == policies.memory_budget(0.25) != policies.memory_budget(0.5)
+    assert pickle.loads(pickle.dumps(budget)) == budget
+    assert repr(budget) == "memory_budget(0.25)"
+    assert math.isclose(budget.fraction, 0.25)
