@@ -76,7 +76,9 @@ def apply(
         model: the model; it is changed in place and returned.
         where: which submodules: ``None`` (the model itself), an ``nn.Module``
             subclass or a tuple of them, or a callable ``(qualified_name, module) -> bool``.
-        policy, preserve_rng, check: as for `remat`.
+        policy: as for `remat`.
+        preserve_rng: as for `remat`.
+        check: as for `remat`.
 
     Raises:
         TypeError: ``model`` is not a module, or ``where`` has the wrong type.
