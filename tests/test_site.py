@@ -38,7 +38,8 @@ _SPEC.loader.exec_module(mkdocs_hooks)
 
 
 def _build(site: Path) -> None:
-    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"]
+    # Not --quiet: it drops warnings before --strict counts them, and the build passes.
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict"]
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "MKDOCS_JUPYTER_CACHE": "false"}
     done = subprocess.run(
         [*command, "--site-dir", str(site)],
