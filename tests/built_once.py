@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,17 +11,14 @@ from filelock import FileLock
 
 
 def built_once(
-    tmp_path_factory: pytest.TempPathFactory,
-    worker_id: str,
-    name: str,
-    build: Callable[[Path], None],
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]
 ) -> Path:
     """The folder ``name`` after ``build(folder)``, run by the first worker that asks.
 
     It is built in place (a venv holds its own path: no build-then-rename), so a
     ``done`` file tells a finished folder from one whose build failed.
     """
-    if worker_id == "master":
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: the session fixture suffices
         folder = tmp_path_factory.mktemp(name)
         build(folder)
         return folder

@@ -62,9 +62,9 @@ def _build_and_install(root: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with ``dist/`` (sdist and wheel) and ``venv/`` (the wheel installed)."""
-    return built_once(tmp_path_factory, worker_id, "package", _build_and_install)
+    return built_once(tmp_path_factory, "package", _build_and_install)
 
 
 def _python(built: Path) -> Path:
