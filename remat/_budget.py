@@ -4,14 +4,15 @@ The first forward of a signature keeps every op output tentatively. When it ends
 the candidates are the outputs the backward reads (a view's base stands for the
 view); plain autograd's bytes for the region are what it saved. The candidates are
 ranked once, greedily, by the recompute cost keeping each one spares per byte it
-holds, given the ones ranked before it. A budget keeps the longest prefix of that
-ranking that fits. A larger budget keeps a longer prefix: it holds a superset, and
-since every candidate is read by the backward, it holds more bytes and the recompute
-(what the backward needs, stopping at kept values) runs a subset of the ops.
+holds, given the ones ranked before it. The budget grows what it keeps in steps of 1%
+of plain's bytes, each step adding, in rank order, the candidates that fit. So a larger
+budget keeps a superset, and since every candidate is read by the backward, it holds
+more bytes and the recompute (what the backward needs, stopping at kept values) runs a
+subset of the ops.
 
 Later forwards of the signature replay the choice by op index, after checking that
-the ops and their output layouts are the planned ones; if they are not, the choice is
-made again.
+the ops, their output layouts, what each read and what autograd saved are the planned
+ones; if they are not, that forward keeps nothing and the next one chooses again.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import dataclasses
 import functools
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
 from . import _torch_private
@@ -44,22 +46,13 @@ def estimated_cost(call: OpCall) -> float:
     FLOPs come from torch's FLOP counter formulas (matrix products, convolutions,
     attention), bytes moved are those of the tensor arguments and outputs.
     """
-    tensors = [t for t in _leaves((call.args, call.kwargs, call.output))]
+    tree: Any = (call.args, call.kwargs, call.output)
+    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     moved = sum(t.nbytes for t in tensors if t.layout == torch.strided)
     device = tensors[0].device.type if tensors else "cpu"
     flops = _torch_private.flops(call.op, call.args, call.kwargs, call.output)
     return max(float(flops), _BALANCE.get(device, _DEFAULT_BALANCE) * moved)
-
-
-def _leaves(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
 
 
 @dataclasses.dataclass(frozen=True)

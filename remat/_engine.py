@@ -368,8 +368,10 @@ class Region:
             if outer is not None:
                 self._hand_over_inputs(outer)
         if self.keeper is not None:
-            read = self.tensors + self.keeper.outside_tensors()
-            self.keeper.finish(skip=not self.levels.records_recompute(read))
+            recorded = bool(self.levels) and self.levels.records_recompute(
+                self.tensors + self.keeper.outside_tensors()
+            )
+            self.keeper.finish(skip=not recorded)
         if self.levels:
             self.levels.watch_outputs(out)
         found = _introspect.current()

@@ -483,13 +483,18 @@ class Keeper:
             index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
         if index is not None:
             self.wanted.add(index)
-            key = storage_key(plain)
-            if self.costs is not None and key and _kind(self.ops[self._base(index)]) != _VIEW:
-                self.saved_bytes[key[0]] = plain.untyped_storage().nbytes()  # made here
+            if self.costs is not None:
+                self._note_bytes(plain, index)
         # The logical shape too: under vmap, two saved values may share their batched tensor.
         signature = _hashable((descriptor, *_saved_as(t)))
         self.signatures.setdefault(signature, []).append(handle)
         self.described.append(signature)
+
+    def _note_bytes(self, t: torch.Tensor, index: int) -> None:
+        """While `memory_budget` plans: the bytes of a saved value's storage, if made here."""
+        key = storage_key(t)
+        if key is not None and _kind(self.ops[self._base(index)]) != _VIEW:
+            self.saved_bytes[key[0]] = t.untyped_storage().nbytes()
 
     def handed_back(self, handle: int, value: torch.Tensor) -> None:
         """A recompute inside the forward gave ``fn`` the value of ``handle``."""
