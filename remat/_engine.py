@@ -69,15 +69,72 @@ class _Kept(_torch_private.OpaqueBase):
     Opaque to torch.compile, as `_Handle` is: ``remat::unpack_kept`` checks its version.
     """
 
-    __slots__ = ("tensor", "unpack", "version")
+    __slots__ = ("released", "tensor", "unpack", "version")
 
     def __init__(self, t: torch.Tensor, unpack: _Unpack) -> None:
-        self.tensor, self.version, self.unpack = t, t._version, unpack
+        self.tensor: torch.Tensor | None = t
+        self.version, self.unpack = t._version, unpack
+        self.released: tuple[Any, ...] | None = None  # the layout, once released
 
     @property
     def layout(self) -> tuple[Any, ...]:
         t = self.tensor
+        if t is None:
+            assert self.released is not None
+            return self.released
         return tuple(t.shape), t.stride(), t.dtype, t.device
+
+    def get(self, region: Region) -> torch.Tensor:
+        t = self.tensor
+        if t is None:
+            raise _freed("an input it saved")
+        if t._version != self.version:
+            region.check_inputs()  # names the argument, while the region holds it
+        return _unchanged(t, self.version)
+
+    def release(self) -> None:
+        """Let go of the input once a pass that frees the graph has read it."""
+        self.released, self.tensor = self.layout, None
+
+
+class _Weak:
+    """A region input, held weakly once a pass that frees the graph has recomputed."""
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, t: torch.Tensor, version: int) -> None:
+        self.ref, self.version = weakref.ref(t), version
+
+    def get(self) -> torch.Tensor:
+        t = self.ref()
+        if t is None:
+            raise _freed("its inputs")
+        return _unchanged(t, self.version)
+
+
+def _unchanged(t: torch.Tensor, version: int) -> torch.Tensor:
+    if t._version != version:
+        fix = "Modify it after the backward."
+        raise changed_since_forward("an argument", version, t._version, fix)
+    return t
+
+
+def _freed(what: str) -> RecomputeError:
+    return RecomputeError(
+        f"`remat`: the region no longer holds {what}: a backward under compiled autograd "
+        "freed the graph. Pass `retain_graph=True` to the first backward to run another "
+        "through the same graph."
+    )
+
+
+def _frees_graph() -> bool:
+    """Whether compiled autograd runs this pass, and frees the graph after it.
+
+    Compiled autograd holds every packed object until its graph returns; the engine
+    frees each at its node. So in such a pass remat lets go of the inputs itself, once
+    no later unpack of the pass reads them.
+    """
+    return _torch_private.in_compiled_autograd() and not _torch_private.graph_retained()
 
 
 class _Outer:
@@ -391,14 +448,22 @@ class Region:
         )
         self.tensors, self.inputs, self.versions = [], {}, []
 
+    def hold_inputs_weakly(self) -> None:
+        """After this pass's recompute: hold the inputs only while something else does."""
+        slots = {id(t): _Weak(t, v) for t, v in zip(self.tensors, self.versions, strict=True)}
+        self.call = self.tree_map(
+            lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
+        )
+        self.tensors, self.inputs, self.versions = [], {}, []
+
     def call_now(self) -> tuple[Any, list[torch.Tensor]]:
-        """The call and its tensor inputs, fetched back from an outer region if handed over."""
+        """The call and its tensor inputs, fetched back if handed over or held weakly."""
         if self.tensors or not self.inputs_handed_over():
             return self.call, self.tensors
         fetched: dict[int, torch.Tensor] = {}
 
         def fetch(x: Any) -> Any:
-            if not isinstance(x, _Outer):
+            if not isinstance(x, (_Outer, _Weak)):
                 return x
             if id(x) not in fetched:  # one tensor passed twice is handed over once
                 fetched[id(x)] = x.get()
@@ -412,7 +477,7 @@ class Region:
         leaves: list[Any] = optree.tree_leaves(
             self.call, none_is_leaf=True, namespace=self.namespace
         )
-        return any(isinstance(x, _Outer) for x in leaves)
+        return any(isinstance(x, (_Outer, _Weak)) for x in leaves)
 
     def paths(self) -> list[str]:
         return _introspect.input_paths(self.fn, self.call, (torch.Tensor, _Outer), self.namespace)
@@ -524,7 +589,10 @@ class _Unpack:
                     return torch.ops.remat.unpack(packed)
                 if isinstance(packed, _Kept):
                     return torch.ops.remat.unpack_kept(packed)
-            return _UNTRACED_UNPACK(self, packed)
+            value = _UNTRACED_UNPACK(self, packed)
+            if isinstance(packed, _Kept) and _frees_graph():
+                packed.release()
+            return value
         return self.unpack(packed)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -541,15 +609,19 @@ class _Unpack:
     def fetch(self, packed: Any) -> torch.Tensor:
         """The value behind ``packed`` (recomputing the region if needed)."""
         if isinstance(packed, _Kept):
-            if packed.tensor._version != packed.version:
-                self.region.check_inputs()
-            return packed.tensor
+            return packed.get(self.region)
         if isinstance(packed, _Outer):
             return packed.get()
         key = _torch_private.current_graph_task_id()
         values = self.passes.get(key) if key != -1 else None
         if values is None:
             values = self.recompute()
+            region = self.region
+            if (
+                not (region.levels or region.keeper is not None or region.running)
+                and _frees_graph()
+            ):
+                region.hold_inputs_weakly()
             if key != -1:
                 self.passes[key] = values
                 # Weakly: a region whose nodes have all run must not outlive them.
@@ -632,7 +704,10 @@ def _unpack_in_graph(packed: _Handle | _Kept) -> torch.Tensor:
     unpack = packed.unpack
     with _torch_private.dispatch_keys_set(unpack.dispatch_keys), torch.enable_grad():
         value = unpack.unpack(packed)
-    return _unpacked_like(packed).copy_(value)  # the forward's strides, traced with
+    copy = _unpacked_like(packed).copy_(value)  # the forward's strides, traced with
+    if isinstance(packed, _Kept) and _frees_graph():
+        packed.release()
+    return copy
 
 
 def _unpacked_like(packed: _Handle | _Kept) -> torch.Tensor:

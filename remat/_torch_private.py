@@ -24,6 +24,7 @@ _F: Any = torch._C._functorch
 
 __all__ = [
     "current_graph_task_id",
+    "graph_retained",
     "functorch_cleared",
     "functorch_interpreters",
     "is_dead_wrapper",
@@ -72,6 +73,15 @@ def current_graph_task_id() -> int:
     autograd exposes no public notion of "which backward is this".
     """
     return int(torch._C._current_graph_task_id())
+
+
+def graph_retained() -> bool:
+    """Whether the running backward pass keeps the graph (``retain_graph=True``).
+
+    Compiled autograd holds every saved-tensor hook's packed object until its graph
+    returns; a pass that frees the graph lets remat release them itself.
+    """
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def queue_end_of_backward_callback(callback: Callable[[], Any]) -> bool:
@@ -227,9 +237,15 @@ def install() -> None:
 
     functorch looks ``disable_saved_tensors_hooks`` up on its module at call time,
     so remat swaps in `_disable_saved_tensors_hooks_in_regions`, which is torch's
-    own function outside regions (``tests/test_torch_private.py`` checks that).
+    own function outside regions (``tests/test_torch_private.py`` checks that),
+    and which torch.compile traces as it traces torch's.
     """
     torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks_in_regions
+    # Dynamo traces the function under that name as a context manager, listed when its
+    # module is imported; one imported before remat listed torch's own.
+    dynamo = sys.modules.get("torch._dynamo.variables.torch")
+    if dynamo is not None:
+        dynamo.supported_ctx_manager_classes[_disable_saved_tensors_hooks_in_regions] = None
 
 
 # Python dispatch modes: torch's documented extension point, under a private module name.

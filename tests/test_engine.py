@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat import _engine, memory, remat
+from remat import RecomputeError, _engine, memory, remat
 from tests.helpers import OpCounter
 
 
@@ -494,3 +494,18 @@ def test_reshape_decomposition_matches_between_forward_and_recompute(dropout, po
     actual = torch.autograd.grad(remat(attention, policy=policy)(q, k).sum(), (q, k))
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
+
+
+def test_an_input_let_go_of_after_a_freeing_pass_is_never_substituted():
+    """Under compiled autograd a pass that frees the graph lets remat drop kept inputs
+    and hold region inputs weakly. Read again, a dead one raises, a changed one too."""
+    t = torch.ones(3)
+    weak = _engine._Weak(t, t._version)
+    assert weak.get() is t
+    t.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place between the forward"):
+        weak.get()
+    del t
+    gc.collect()
+    with pytest.raises(RecomputeError, match="retain_graph=True"):
+        weak.get()

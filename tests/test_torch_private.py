@@ -4,7 +4,10 @@ These tests exist so that a torch upgrade that changes one of them fails here, l
 instead of as a wrong gradient somewhere else.
 """
 
+import contextlib
 import inspect
+import subprocess
+import sys
 from typing import ClassVar
 
 import pytest
@@ -178,6 +181,23 @@ def test_in_compiled_autograd_is_true_only_while_compiled_autograd_runs_a_backwa
         y.sum().backward()
     assert seen == [False, True]
     assert not tp.in_compiled_autograd()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_autograd"])
+def test_graph_retained_answers_for_the_running_pass(compiled):
+    """Read by an unpack hook, as remat does, in the engine and under compiled autograd."""
+    from torch._dynamo import compiled_autograd
+
+    seen = []
+    unpack = tp.dynamo_disabled(lambda t: seen.append(tp.graph_retained()) or t)
+    for retain in (False, True):
+        x = torch.ones(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = x.sin()
+        compiler = torch.compile(backend="eager")
+        with compiled_autograd._enable(compiler) if compiled else contextlib.nullcontext():
+            y.sum().backward(retain_graph=retain)
+    assert seen == [False, True]
 
 
 def test_queue_end_of_backward_callback_runs_after_the_pass():
@@ -537,6 +557,24 @@ def test_install_leaves_torch_alone_outside_regions():
     with hooks, pytest.raises(RuntimeError, match="saved tensor hooks"):
         torch.func.grad(lambda x: x.sin().sum())(x)
     assert torch.equal(torch.func.grad(lambda x: x.sin().sum())(x), x.cos())
+
+
+def test_install_lets_a_dynamo_imported_before_remat_trace_func_transforms():
+    """torch.compile traces ``grad`` over a region whether Dynamo or remat was imported first
+    (transformers, for one, imports Dynamo)."""
+    program = """
+import torch, torch._dynamo.variables.torch
+import remat
+
+def loss(w, x):
+    return remat.remat(lambda x: (x * w).sin())(x).sum()
+
+w, x = torch.randn(3), torch.randn(3)
+grad = torch.func.grad(loss)
+compiled = torch.compile(grad, backend="aot_eager", fullgraph=True)
+assert torch.allclose(compiled(w, x), grad(w, x))
+"""
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=300)
 
 
 def test_is_aten_op_and_dispatch_mode():
