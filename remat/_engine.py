@@ -420,7 +420,8 @@ class Region:
             self.mode = None
             self.check_inputs(inside=True)
             if setting.modules is not None:
-                setting.modules.settle()
+                with quiet():  # its comparisons are remat's ops, not the region's
+                    setting.modules.settle()
             outer = self.enclosing()
             if outer is not None:
                 self._hand_over_inputs(outer)

@@ -224,6 +224,28 @@ def test_choice_is_made_once_per_signature():
     assert len(calls) == 2 * first
 
 
+def test_a_plan_made_on_a_model_with_buffers_fits_every_later_step():
+    """remat compares a module's buffers with a snapshot at the end of its first forward;
+    that comparison is not an op of the region, so the plan fits later steps (it once
+    failed every other step, which kept nothing and planned again)."""
+    calls: list[Any] = []
+
+    def cost(call: policies.OpCall) -> float:
+        calls.append(call.op)
+        return 1.0
+
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    assert list(model.buffers())
+    model.checkpoint = rm(policy=policies.memory_budget(0.5, cost=cost))
+    tokens, targets = make_batches(SMALL, 2, 1)[0]
+    held = [_held(model.loss, tokens, targets)]
+    planned = len(calls)
+    held += [_held(model.loss, tokens, targets) for _ in range(3)]
+    assert len(calls) == planned > 0
+    assert len(set(held)) == 1, held
+
+
 def test_cost_steers_the_choice():
     """With equal-sized candidates, the budget keeps the one its cost model rates dearest."""
     x = torch.randn(16, requires_grad=True)
