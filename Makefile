@@ -38,7 +38,7 @@ fuzz: $(PKG)
 	REMAT_FUZZ=$${REMAT_FUZZ:-10} $(BIN)/pytest -n 2 -p no:cacheprovider tests/test_equivalence.py \
 		tests/test_policy_equivalence.py tests/test_func.py
 
-# The benchmark suite (about 7 minutes on 2 cores); results land in the docs.
+# The benchmark suite (about 18 minutes on 2 cores); results land in the docs.
 BENCH_OUT ?= docs/benchmarks
 bench: $(PKG)
 	$(BIN)/python -m benchmarks.suite --out $(BENCH_OUT)

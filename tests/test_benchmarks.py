@@ -31,7 +31,11 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
             expected = set(suite.budget_modes())
             if workload.startswith("compiled"):
                 expected = {"activation_memory_budget=0.5", "activation_memory_budget=1"}
-        assert {r["mode"] for r in written["rows"] if r["workload"] == workload} == expected
+        found = {r["mode"] for r in written["rows"] if r["workload"] == workload}
+        if workload.startswith("budget against SAC"):  # budgets chosen by the sweep's bytes
+            expected = {"plain", suite.SAC, "remat save_matmuls"}
+            found = {m for m in found if not m.startswith("memory_budget")}
+        assert found == expected
     assert any(w.startswith("placement:") for w in workloads)
     assert any(w.startswith("compiled (aot_eager)") for w in workloads)
     assert all(r["same_loss"] for r in written["rows"]), "every mode computes plain's loss"
@@ -42,3 +46,6 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     assert table.strip() in capsys.readouterr().out
     assert "fails" in written["per_sample_note"]
     assert "non-decreasing in the budget" in written["budget_summary"]
+    # torch's budget compiles its own graph (not compiled plain's, cached by Dynamo).
+    compiled = {r["mode"]: r["held"] for r in written["rows"] if "compiled" in r["workload"]}
+    assert compiled["activation_memory_budget=0.5"] < compiled["activation_memory_budget=1"]
