@@ -259,6 +259,15 @@ def test_policies_the_trace_cannot_answer_raise_naming_remat(policy, message):
         _steps(model, steps=1)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_to_a_device_other_than_the_cpu_refuses_to_compile():
+    """torch's offload under compile moves values to the CPU only: remat says so."""
+    model = _model(remat.remat(policy=policies.offload("save_matmuls", device="cuda")))
+    with pytest.raises(Exception, match="to the CPU only"):
+        _steps(model, steps=1)
+
+
 # Compiled autograd itself reads `.grad` of non-leaf tensors while it traces (torch 2.13).
 NON_LEAF_GRAD = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")
 
@@ -422,3 +431,30 @@ def test_compiled_autograd_backward_twice_without_retain_graph_raises():
         loss.backward()
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             loss.backward()
+
+
+@NON_LEAF_GRAD
+def test_compiled_autograd_second_output_after_a_freeing_pass_raises_or_uses_held_inputs():
+    """The cost of letting go: after a backward that frees the graph, another backward
+    through a second output of the same region finds its inputs only if something else
+    holds them (a leaf does); an intermediate is gone, and remat says so (eager mode
+    allows it)."""
+    from torch._dynamo import compiled_autograd
+
+    def two_outputs(h):
+        a = h * 2  # saves nothing: only the region holds ``h``
+        return a.exp(), a.sin()
+
+    for intermediate in (False, True):
+        x = torch.randn(4, requires_grad=True)
+        h = x * 3 if intermediate else x
+        first, second = remat.remat(two_outputs)(h)
+        del h
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            first.sum().backward()
+            if intermediate:
+                with pytest.raises(remat.RecomputeError, match="retain_graph=True"):
+                    second.sum().backward()
+            else:
+                second.sum().backward()
+                assert torch.allclose(x.grad, 2 * (2 * x).exp() + 2 * (2 * x).cos())

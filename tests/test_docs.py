@@ -70,6 +70,24 @@ def test_examples_run(page: str) -> None:
 # Documented limitations and known issues: each test fails once the page is wrong.
 
 
+CITATION = re.compile(r"`tests/(test_\w+\.py)::(\w+)`")
+
+
+def test_comparison_page_backs_each_remat_cell_with_a_test_that_exists() -> None:
+    """Each remat cell of the comparison page names its test (or says it has none), and
+    every test the page names is defined where it says."""
+    text = (DOCS / "comparison.md").read_text()
+    for file, name in CITATION.findall(text):
+        source = (DOCS.parent / "tests" / file).read_text()
+        assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"no test {file}::{name}"
+    table = text.split("## PyTorch libraries\n\n")[1].split("\n\n")[0]
+    rows = table.splitlines()[2:]
+    assert len(rows) > 10
+    for row in rows:
+        cell = row.split(" | ")[1]
+        assert CITATION.search(cell) or "not tested" in cell, f"no test named in: {row[:60]}"
+
+
 def test_module_passed_as_fn_is_pinned() -> None:
     """`remat(module)` version-checks the module's parameters ("State read by closure")."""
     module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
