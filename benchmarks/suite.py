@@ -661,6 +661,15 @@ def format_rows(rows: Sequence[Row]) -> str:
     return "\n\n".join(out)
 
 
+def _save(fig: Any, ax: Any, path: Path, **labels: str) -> str:
+    """Label a plot, write it as a PNG, and return its file name."""
+    ax.set(**labels)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
 def _plots(rows: Sequence[Row], out: Path) -> list[str]:
     import matplotlib
 
@@ -673,15 +682,16 @@ def _plots(rows: Sequence[Row], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r, marker in zip(reference, "osD^vPX*", strict=False):
             ax.scatter(r.time * 1e3, r.held / 2**20, marker=marker, s=60, alpha=0.7, label=r.mode)
-        ax.set(
-            xlabel="step time (ms)",
-            ylabel="held after forward (MiB)",
-            title="Reference GPT: memory against time",
+        files.append(
+            _save(
+                fig,
+                ax,
+                out / "memory_vs_time.png",
+                xlabel="step time (ms)",
+                ylabel="held after forward (MiB)",
+                title="Reference GPT: memory against time",
+            )
         )
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "memory_vs_time.png", dpi=120)
-        files.append("memory_vs_time.png")
     budget = [r for r in rows if r.workload.startswith("budget sweep") and r.time]
     if budget:
         fig, ax = plt.subplots(figsize=(7.5, 5))
@@ -704,15 +714,16 @@ def _plots(rows: Sequence[Row], out: Path) -> list[str]:
                 linestyle="--",
                 label="torch.compile, activation_memory_budget (saved bytes)",
             )
-        ax.set(
-            xlabel="held after forward (MiB)",
-            ylabel="step time (ms)",
-            title="Reference GPT: memory budget against step time",
+        files.append(
+            _save(
+                fig,
+                ax,
+                out / "budget_sweep.png",
+                xlabel="held after forward (MiB)",
+                ylabel="step time (ms)",
+                title="Reference GPT: memory budget against step time",
+            )
         )
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "budget_sweep.png", dpi=120)
-        files.append("budget_sweep.png")
     sweep = [r for r in rows if r.workload.startswith("depth ")]
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -720,11 +731,11 @@ def _plots(rows: Sequence[Row], out: Path) -> list[str]:
         for mode, (marker, line) in zip(dict.fromkeys(r.mode for r in sweep), styles, strict=False):
             points = [(int(r.workload.split()[1]), r.held / 2**20) for r in sweep if r.mode == mode]
             ax.plot(*zip(*points, strict=True), marker=marker, linestyle=line, label=mode)
-        ax.set(xlabel="blocks", ylabel="held after forward (MiB)", title="Memory against depth")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "memory_vs_depth.png", dpi=120)
-        files.append("memory_vs_depth.png")
+        title = "Memory against depth"
+        ylabel = "held after forward (MiB)"
+        files.append(
+            _save(fig, ax, out / "memory_vs_depth.png", xlabel="blocks", ylabel=ylabel, title=title)
+        )
     plt.close("all")
     return files
 
