@@ -2,13 +2,12 @@
 
 The first forward of a signature keeps every op output tentatively. When it ends,
 the candidates are the outputs the backward reads (a view's base stands for the
-view); plain autograd's bytes for the region are what it saved. The candidates are
-ranked once, greedily, by the recompute cost keeping each one spares per byte it
-holds, given the ones ranked before it. The budget grows what it keeps in steps of 1%
-of plain's bytes, each step adding, in rank order, the candidates that fit. So a larger
-budget keeps a superset, and since every candidate is read by the backward, it holds
-more bytes and the recompute (what the backward needs, stopping at kept values) runs a
-subset of the ops.
+view); plain autograd's bytes for the region are what it saved. The choices for
+budgets of 0%, 1%, ..., 100% of plain's bytes are made together, from the top down:
+each step keeps a subset of what the step above keeps, dropping first what spares the
+least recompute cost per byte. So a larger budget keeps a superset, and since every
+candidate is read by the backward, it holds more bytes and the recompute (what the
+backward needs, stopping at kept values) runs a subset of the ops.
 
 Later forwards of the signature replay the choice by op index, after checking that
 the ops, their output layouts, what each read and what autograd saved are the planned
@@ -83,8 +82,8 @@ class Plan:
         )
 
 
-# A budget grows what it keeps in steps of 1% of plain autograd's bytes, each step adding
-# the candidates that fit, in rank order: what a larger budget keeps contains the rest.
+# A budget's choices form a chain over steps of 1% of plain autograd's bytes: the set kept
+# at one step contains the set kept at the step below, so a larger budget keeps more.
 _STEPS = 100
 
 
@@ -106,57 +105,59 @@ def choose(
         costs: op index -> estimated cost of running it again.
         starts: the ops the backward needs (values it reads, ops that always run).
     """
-    ranked = _ranking(candidates, deps, costs, starts)
-    kept: dict[int, float] = {}
-    held = 0
-    for step in range(1, int(fraction * _STEPS + 1e-9) + 1):
-        limit = step * plain / _STEPS
-        for c, gain in ranked:
-            if c not in kept and held + candidates[c] <= limit:
-                kept[c] = gain
-                held += candidates[c]
-    return list(kept), {c: f"spares recompute cost {gain:.3g}" for c, gain in kept.items()}
+    step = int(fraction * _STEPS + 1e-9)
+    chain = _chain(candidates, plain, functools.partial(_recompute_cost, starts, deps, costs))
+    kept = {c: why for c, (first, why) in chain.items() if 0 < first <= step}
+    return list(kept), kept
 
 
-def _ranking(
-    candidates: dict[int, int], deps: list[tuple[int, ...]], costs: list[float], starts: list[int]
-) -> list[tuple[int, float]]:
-    """The candidates, greedily by the recompute cost each spares per byte it holds,
-    given those ranked before it; with what each spares. Gains are re-evaluated lazily."""
-    kept: set[int] = set()
-    base = _recompute_cost(starts, deps, costs, kept)
-    heap = [
-        (-_gain(c, base, starts, deps, costs, kept) / max(size, 1), c)
-        for c, size in candidates.items()
-    ]
+def _chain(
+    candidates: dict[int, int], plain: int, cost: Callable[[set[int]], float]
+) -> dict[int, tuple[int, str]]:
+    """Candidate -> the first step that keeps it, and what keeping it spares there.
+
+    From the top down: each step starts from the set kept one step up and drops, while it
+    holds more than the step allows, the candidate whose loss adds the least recompute
+    cost per byte it frees (losses only grow as others go, so they are re-evaluated
+    lazily); then takes back, dearest per byte first, those it dropped that fit again.
+    """
+    kept = set(candidates)
+    held = sum(candidates.values())
+    base = cost(kept)
+
+    def loss(c: int) -> float:
+        return cost(kept - {c}) - base
+
+    heap = [(loss(c) / max(size, 1), c) for c, size in candidates.items()]
     heapq.heapify(heap)
-    ranked: list[tuple[int, float]] = []
-    while heap:
-        _, c = heapq.heappop(heap)
-        gain = _gain(c, base, starts, deps, costs, kept)
-        density = gain / max(candidates[c], 1)
-        if heap and density < -heap[0][0]:  # worth less now: rank it again among the rest
-            heapq.heappush(heap, (-density, c))
-            continue
-        ranked.append((c, gain))
-        kept.add(c)
-        base -= gain
-    return ranked
-
-
-def _gain(
-    c: int,
-    base: float,
-    starts: list[int],
-    deps: list[tuple[int, ...]],
-    costs: list[float],
-    kept: set[int],
-) -> float:
-    kept.add(c)
-    try:
-        return base - _recompute_cost(starts, deps, costs, kept)
-    finally:
-        kept.discard(c)
+    first: dict[int, tuple[int, str]] = {}
+    spared: dict[int, float] = {}
+    for step in range(_STEPS, -1, -1):
+        limit = step * plain / _STEPS
+        dropped = []
+        while held > limit:
+            _, c = heapq.heappop(heap)
+            lost = loss(c)
+            if heap and lost / max(candidates[c], 1) > heap[0][0]:
+                heapq.heappush(heap, (lost / max(candidates[c], 1), c))
+                continue
+            kept.discard(c)
+            held -= candidates[c]
+            base += lost
+            dropped.append((c, lost))
+        for c, _ in sorted(dropped, key=lambda d: -d[1] / max(candidates[d[0]], 1)):
+            gain = base - cost(kept | {c})
+            if held + candidates[c] <= limit and gain > 0:
+                kept.add(c)
+                held += candidates[c]
+                base -= gain
+                heapq.heappush(heap, (gain / max(candidates[c], 1), c))
+            else:
+                spared[c] = gain
+        for c, _ in dropped:
+            if c not in kept:
+                first[c] = (step + 1, f"spares recompute cost {spared[c]:.3g}")
+    return first
 
 
 def _recompute_cost(

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import remat
 from benchmarks._models import GPT, GPTConfig, Llama, make_batches
-from remat import policies
+from remat import _budget, policies
 from remat import remat as rm
 from tests.helpers import (
     KINDS,
@@ -181,6 +181,38 @@ def test_budget_sweep_on_gpt():
 def test_budget_sweep_on_llama():
     """A 4-block Llama-style stack (SDPA, rotary, SwiGLU): the same."""
     _decoder_sweep(Llama, GPTConfig(vocab=64, seq=16, width=32, heads=2, blocks=4, dropout=0.0))
+
+
+def test_the_chain_is_near_the_cheapest_choice_on_a_gpt_block(monkeypatch):
+    """Against every subset of a reference-GPT block's candidates (docs/policies.md): the
+    chain's recompute cost summed over budgets 0, 0.05, ..., 1 is within 1.1x of the
+    cheapest sets', and at 0.5 it is the cheapest."""
+    config = GPTConfig(vocab=512, seq=128, width=512, heads=8, blocks=1, dropout=0.1)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.checkpoint = rm(policy=policies.memory_budget(0.5))
+    seen: list[Any] = []
+    choose = _budget.choose
+    monkeypatch.setattr(_budget, "choose", lambda *a: seen.append(a) or choose(*a))
+    model.loss(*make_batches(config, 4, 1)[0])
+    _, candidates, plain, deps, costs, starts = seen[0]
+    assert len(candidates) == 12
+
+    def cost(kept: Any) -> float:
+        return _budget._recompute_cost(starts, deps, costs, set(kept))
+
+    subsets = [
+        (sum(candidates[c] for c in s), cost(s))
+        for k in range(len(candidates) + 1)
+        for s in itertools.combinations(candidates, k)
+    ]
+    chain, cheapest = {}, {}
+    for step in range(21):
+        fraction = step / 20
+        chain[fraction] = cost(choose(fraction, candidates, plain, deps, costs, starts)[0])
+        cheapest[fraction] = min(c for held, c in subsets if held <= fraction * plain)
+    assert chain[0.5] == cheapest[0.5]
+    assert sum(chain.values()) <= 1.1 * sum(cheapest.values())
 
 
 # 3. Endpoints, plans, reports -----------------------------------------------------------------
