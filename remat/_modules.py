@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -61,16 +62,14 @@ def _learning(owner: Any) -> set[str]:
 
 
 def _fsdp_types() -> tuple[type | None, type | None]:
-    """FSDP2's module class and the DTensor class of its sharded parameters."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None, None
-    return FSDPModule, DTensor
+    """FSDP2's module class and the DTensor class of its sharded parameters, if imported.
 
-
-_FSDP, _DTENSOR = _fsdp_types()
+    Not imported here (that costs most of a second): a program that has FSDP2 units
+    imported `torch.distributed.fsdp` to make them.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return getattr(fsdp, "FSDPModule", None), getattr(tensor, "DTensor", None)
 
 
 def reachable_modules(fn: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
@@ -137,9 +136,10 @@ def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
 def _sharded_units(submodules: list[nn.Module]) -> set[int]:
     """Ids of the modules inside FSDP2 units (the units included): FSDP2 owns their parameters."""
     owned: set[int] = set()
-    if _FSDP is not None:
+    fsdp, _ = _fsdp_types()
+    if fsdp is not None:
         for sub in submodules:
-            if id(sub) not in owned and isinstance(sub, _FSDP):
+            if id(sub) not in owned and isinstance(sub, fsdp):
                 owned.update(id(m) for m in sub.modules())
     return owned
 
@@ -185,6 +185,7 @@ class ModuleState:
         sharded: list[_Slot] = []
         submodules = _submodules(modules)
         owned = _sharded_units(submodules)
+        _, dtensor = _fsdp_types()
         for sub in submodules:
             # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
             generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
@@ -194,7 +195,7 @@ class ModuleState:
                     if t is None:
                         continue
                     if table is sub._parameters and id(sub) in owned:
-                        if _DTENSOR is not None and isinstance(t, _DTENSOR):
+                        if dtensor is not None and isinstance(t, dtensor):
                             sharded.append(_Slot(sub, table, name, t, t._version))
                         continue
                     first = updated is None and table is sub._buffers

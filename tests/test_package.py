@@ -117,6 +117,13 @@ def test_installed_wheel_imports_with_warnings_as_errors(built: Path, tmp_path: 
     assert Path(out.strip()).is_relative_to(built / "venv")
 
 
+def test_import_leaves_fsdp_to_the_program(built: Path, tmp_path: Path) -> None:
+    """remat does not import ``torch.distributed.fsdp`` (most of a second): a program
+    with FSDP2 units has imported it already, and remat finds it there."""
+    source = "import sys, remat; print('torch.distributed.fsdp' in sys.modules)"
+    assert _run(_python(built), "-I", "-c", source, cwd=tmp_path) == "False\n"
+
+
 def test_installed_wheel_meets_its_requirements(built: Path, tmp_path: Path) -> None:
     """The fresh venv satisfies each requirement the wheel declares (installed --no-deps)."""
     source = (
