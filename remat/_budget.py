@@ -118,8 +118,9 @@ def _chain(
 
     From the top down: each step starts from the set kept one step up and drops, while it
     holds more than the step allows, the candidate whose loss adds the least recompute
-    cost per byte it frees (losses only grow as others go, so they are re-evaluated
-    lazily); then takes back, dearest per byte first, those it dropped that fit again.
+    cost per byte it frees; then takes back, dearest per byte first, those it dropped
+    that fit again. Losses change as others go: one is evaluated again when it comes
+    first, and put back if it no longer does.
     """
     kept = set(candidates)
     held = sum(candidates.values())
@@ -128,35 +129,34 @@ def _chain(
     def loss(c: int) -> float:
         return cost(kept - {c}) - base
 
-    heap = [(loss(c) / max(size, 1), c) for c, size in candidates.items()]
+    def per_byte(c: int, value: float) -> float:
+        return value / max(candidates[c], 1)
+
+    heap = [(per_byte(c, loss(c)), c) for c in candidates]
     heapq.heapify(heap)
     first: dict[int, tuple[int, str]] = {}
-    spared: dict[int, float] = {}
     for step in range(_STEPS, -1, -1):
         limit = step * plain / _STEPS
         dropped = []
         while held > limit:
             _, c = heapq.heappop(heap)
             lost = loss(c)
-            if heap and lost / max(candidates[c], 1) > heap[0][0]:
-                heapq.heappush(heap, (lost / max(candidates[c], 1), c))
+            if heap and per_byte(c, lost) > heap[0][0]:
+                heapq.heappush(heap, (per_byte(c, lost), c))
                 continue
             kept.discard(c)
             held -= candidates[c]
             base += lost
             dropped.append((c, lost))
-        for c, _ in sorted(dropped, key=lambda d: -d[1] / max(candidates[d[0]], 1)):
+        for c, _ in sorted(dropped, key=lambda d: -per_byte(*d)):
             gain = base - cost(kept | {c})
             if held + candidates[c] <= limit and gain > 0:
                 kept.add(c)
                 held += candidates[c]
                 base -= gain
-                heapq.heappush(heap, (gain / max(candidates[c], 1), c))
+                heapq.heappush(heap, (per_byte(c, gain), c))
             else:
-                spared[c] = gain
-        for c, _ in dropped:
-            if c not in kept:
-                first[c] = (step + 1, f"spares recompute cost {spared[c]:.3g}")
+                first[c] = (step + 1, f"spares recompute cost {gain:.3g}")
     return first
 
 

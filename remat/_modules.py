@@ -133,10 +133,9 @@ def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def _sharded_units(submodules: list[nn.Module]) -> set[int]:
+def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
     """Ids of the modules inside FSDP2 units (the units included): FSDP2 owns their parameters."""
     owned: set[int] = set()
-    fsdp, _ = _fsdp_types()
     if fsdp is not None:
         for sub in submodules:
             if id(sub) not in owned and isinstance(sub, fsdp):
@@ -184,8 +183,8 @@ class ModuleState:
         generators: list[Any] = []
         sharded: list[_Slot] = []
         submodules = _submodules(modules)
-        owned = _sharded_units(submodules)
-        _, dtensor = _fsdp_types()
+        fsdp, dtensor = _fsdp_types()
+        owned = _sharded_units(submodules, fsdp)
         for sub in submodules:
             # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
             generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
