@@ -15,8 +15,8 @@ from typing import Any
 
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
-from ._keep import Keeper, Replayer
-from ._rng import RngCapture, RngReplay, is_random
+from ._keep import Keeper, Op, Replayer, op_info
+from ._rng import RngCapture, RngReplay
 
 __all__ = ["OpMode", "quiet"]
 
@@ -62,19 +62,21 @@ class OpMode(_torch_private.TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused or getattr(_local, "quiet", 0):
             return func(*args, **kwargs)
+        op = op_info(func)
         if self.replayer is not None:
-            out = self.replayer.call(func, args, kwargs, lambda: self._run(func, args, kwargs))
+            out = self.replayer.call(op, args, kwargs, self._run)
         else:
-            out = self._run(func, args, kwargs)
+            out = self._run(op, args, kwargs)
             if self.keeper is not None:
-                self.keeper.after(func, args, kwargs, out)
+                self.keeper.after(op, args, kwargs, out)
         if self.trace is not None:
             first = out[0] if isinstance(out, (tuple, list)) and out else out
             self.trace.append(TraceEntry(str(func.overloadpacket), describe(first), source_line()))
         return out
 
-    def _run(self, func: Any, args: Any, kwargs: Any) -> Any:
-        if not is_random(func):
+    def _run(self, op: Op, args: Any, kwargs: Any) -> Any:
+        func = op.func
+        if not op.random:
             return func(*args, **kwargs)
         if self.capture is not None:
             return self.capture.call(func, args, kwargs)

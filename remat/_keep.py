@@ -20,8 +20,6 @@ starts again without skipping (`Restart`).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,7 +30,7 @@ from . import _budget, _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
-__all__ = ["Keeper", "Replayer", "Restart"]
+__all__ = ["Keeper", "Op", "Replayer", "Restart", "op_info"]
 
 
 class Restart(BaseException):
@@ -81,20 +79,52 @@ _METADATA_ONLY = frozenset(
     }
 )
 
-# Ops whose output is their input's value: provenance passes through them (autograd
-# adds and drops detaches between one run and the next).
-_TRANSPARENT = frozenset({aten.detach.default, aten.alias.default})
+_READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
 
 
-def _passes_through(func: Any, args: Any, out: Any) -> bool:
+class Op:
+    """What the bookkeeping needs to know of an op overload, found once (`op_info`).
+
+    Signatures and tables hold these rather than the overloads, which hash in Python.
+    """
+
+    __slots__ = ("func", "kind", "mutable", "random", "transparent", "view")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func  # held: the cache's key is its id
+        self.random = is_random(func)
+        self.mutable = func._schema.is_mutable
+        self.view = func.is_view
+        # Its output is its input's value: provenance passes through it (autograd adds
+        # and drops detaches between one run and the next).
+        self.transparent = func in (aten.detach.default, aten.alias.default)
+        if func.overloadpacket in _METADATA_ONLY:
+            self.kind = _READS_METADATA
+        elif self.random or self.mutable:
+            self.kind = _ALWAYS_RUNS
+        else:
+            self.kind = _VIEW if self.view else _DECIDED
+
+
+_OPS: dict[int, Op] = {}
+
+
+def op_info(func: Any) -> Op:
+    op = _OPS.get(id(func))
+    if op is None:
+        op = _OPS[id(func)] = Op(func)
+    return op
+
+
+def _passes_through(op: Op, args: Any, out: Any) -> bool:
     """Whether ``out`` is ``args[0]`` as it is: a detach, an alias, or a view that changes
     nothing (autograd makes one for an autograd.Function that returns its input, as
     FSDP2's post-backward hook does, and only when the hook runs)."""
-    if not isinstance(out, torch.Tensor):
+    if not op.view or not isinstance(out, torch.Tensor):
         return False
-    if func in _TRANSPARENT:
+    if op.transparent:
         return True
-    if not func.is_view or not args or not isinstance(args[0], torch.Tensor):
+    if not args or not isinstance(args[0], torch.Tensor):
         return False
     return _geometry(out) == _geometry(args[0])
 
@@ -102,24 +132,6 @@ def _passes_through(func: Any, args: Any, out: Any) -> bool:
 def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
     """Where in its storage a tensor's values lie, and how they are read."""
     return (t.storage_offset(), t.shape, t.stride(), t.dtype)
-
-
-_READS_METADATA, _ALWAYS_RUNS, _VIEW, _DECIDED = range(4)
-_KINDS: dict[Any, int] = {}
-
-
-def _kind(func: Any) -> int:
-    """How the bookkeeping treats an op (cached per overload)."""
-    kind = _KINDS.get(func)
-    if kind is None:
-        if func.overloadpacket in _METADATA_ONLY:
-            kind = _READS_METADATA
-        elif is_random(func) or func._schema.is_mutable:
-            kind = _ALWAYS_RUNS
-        else:
-            kind = _VIEW if func.is_view else _DECIDED
-        _KINDS[func] = kind
-    return kind
 
 
 def _version(out: Any) -> int:
@@ -199,9 +211,9 @@ class Provenance:
             self.outside[id(t)] = weakref.ref(t)
         return ("outside", id(t), t._version)
 
-    def signature(self, func: Any, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
+    def signature(self, op: Op, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
         """The op and its arguments, tensors replaced by where they came from."""
-        return (func, self._key(args, reads), self._key(kwargs, reads) if kwargs else ())
+        return (op, self._key(args, reads), self._key(kwargs, reads) if kwargs else ())
 
     def _key(self, value: Any, reads: set[int] | None) -> Any:
         kind = type(value)
@@ -226,8 +238,8 @@ class Provenance:
             *prefix, version = descriptor
             self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
 
-    def record(self, func: Any, args: Any, out: Any, index: int) -> None:
-        if _passes_through(func, args, out):
+    def record(self, op: Op, args: Any, out: Any, index: int) -> None:
+        if _passes_through(op, args, out):
             self.alias(out, self.describe(args[0]))
             return
         for position, t in enumerate(_outputs(out)):
@@ -365,19 +377,22 @@ class Keeper:
             self.plan = _budget.lookup(self.budget, self.key)
             self.costs = [] if self.plan is None else None
 
-    def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def after(self, op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Record one forward op: its signature, and the policy's decision on its outputs."""
         provenance = self.provenance
         assert provenance is not None
         index = len(self.ops)
+        func = op.func
         self.ops.append(func)
-        kind = _kind(func)
+        kind = op.kind
         reads: set[int] = set()
-        signature = provenance.signature(func, args, kwargs, reads)
+        signature = provenance.signature(op, args, kwargs, reads)
         self.deps.append(() if kind == _READS_METADATA else tuple(reads))
-        with contextlib.suppress(TypeError):  # an unhashable argument: never matched
+        try:  # noqa: SIM105 - `suppress` costs a context manager per op
             self.table.setdefault(signature, []).append(index)
-        provenance.record(func, args, out, index)
+        except TypeError:  # an unhashable argument: never matched
+            pass
+        provenance.record(op, args, out, index)
         layout = _Shape.of(out)
         self.layouts.append(layout)
         decided = kind in (_DECIDED, _READS_METADATA) and layout is not None
@@ -388,7 +403,7 @@ class Keeper:
             return
         if not decided:
             return
-        decision = self.decided.get(func) if self.decided is not None else None
+        decision = self.decided.get(op) if self.decided is not None else None
         if decision is None:
             try:
                 decision = self.policy.decide(func, lambda: OpCall(func, args, kwargs, out))
@@ -396,7 +411,7 @@ class Keeper:
                 self.error = self.error or error
                 return
             if self.decided is not None:
-                self.decided[func] = decision
+                self.decided[op] = decision
         if decision is not Decision.RECOMPUTE:
             self._apply(index, decision, out)
 
@@ -453,7 +468,7 @@ class Keeper:
         self.offload.pop(index, None)
         if (
             index not in self.roots
-            and _kind(func) == _DECIDED
+            and op_info(func).kind == _DECIDED
             and decision is not Decision.RECOMPUTE
         ):
             self._apply(index, decision, t)
@@ -493,7 +508,7 @@ class Keeper:
     def _note_bytes(self, t: torch.Tensor, index: int) -> None:
         """While `memory_budget` plans: the bytes of a saved value's storage, if made here."""
         key = storage_key(t)
-        if key is not None and _kind(self.ops[self._base(index)]) != _VIEW:
+        if key is not None and op_info(self.ops[self._base(index)]).kind != _VIEW:
             self.saved_bytes[key[0]] = t.untyped_storage().nbytes()
 
     def handed_back(self, handle: int, value: torch.Tensor) -> None:
@@ -569,7 +584,7 @@ class Keeper:
     def _base(self, index: int) -> int:
         """The op that made the memory op ``index``'s output views (a view is kept by
         keeping its base); a view op itself for a view of a region input."""
-        while _kind(self.ops[index]) == _VIEW and self.deps[index]:
+        while op_info(self.ops[index]).kind == _VIEW and self.deps[index]:
             index = self.deps[index][0]
         return index
 
@@ -698,45 +713,44 @@ class Replayer:
         # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
         self.fresh: dict[int, weakref.ref[Any]] = {}
 
-    def call(self, func: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
-        signature = self.provenance.signature(func, args, kwargs, None)
+    def call(self, op: Op, args: Any, kwargs: Any, run: Callable[[Op, Any, Any], Any]) -> Any:
+        """One op of the recompute: its kept value, a placeholder, or what ``run`` returns."""
+        signature = self.provenance.signature(op, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
         if index is None and not self.diverged and self.placeholders and _device(kwargs) == _META:
             # A factory call on the device that a skipped value's ``.device`` reported
             # (a meta placeholder's): run it where the forward did, if that matches.
             real = {device for _, device in self.placeholders.values()}
             moved = {**kwargs, "device": real.pop()} if len(real) == 1 else kwargs
-            again = self._match(self.provenance.signature(func, args, moved, None))
+            again = self._match(self.provenance.signature(op, args, moved, None))
             if again is not None:
                 index, kwargs = again, moved
-                run = functools.partial(func, *args, **kwargs)
         keeper = self.keeper
         if index is not None and index in keeper.kept and keeper.replayable(index):
             out = keeper.value(index)
-        elif index is not None and index in keeper.skip and self._skippable(func, args):
+        elif index is not None and index in keeper.skip and self._skippable(op, args):
             out = self._placeholder(keeper.skip[index])
         else:
             if self.placeholders and self._reads_placeholder((args, kwargs)):
-                if _kind(func) != _READS_METADATA:
+                if op.kind != _READS_METADATA:
                     self.restart = True
                     raise Restart
                 args, kwargs = self._real_layouts((args, kwargs))
-                run = functools.partial(func, *args, **kwargs)
-            out = run()
+            out = run(op, args, kwargs)
             if self.placeholders and any(t.device.type == "meta" for t in _outputs(out)):
                 self.restart = True  # a skipped value reached a real result some other way
                 raise Restart
             if index is None:
-                if not func._schema.is_mutable:
-                    self._made_fresh(func, args, out)
-                elif not self._harmless(func, args, kwargs):
+                if not op.mutable:
+                    self._made_fresh(op, args, out)
+                elif not self._harmless(op.func, args, kwargs):
                     self.diverged = True  # an unknown write: aliases may now hold anything
-        self.provenance.record(func, args, out, -1 if index is None else index)
+        self.provenance.record(op, args, out, -1 if index is None else index)
         return out
 
-    def _made_fresh(self, func: Any, args: Any, out: Any) -> None:
+    def _made_fresh(self, op: Op, args: Any, out: Any) -> None:
         """Note the memory an unmatched op allocated (not a view: no input's memory)."""
-        if func.is_view:
+        if op.view:
             return
         inputs = [t for arg in args for t in _tensors(arg) if t.layout == torch.strided]
         read = {id(t.untyped_storage()) for t in inputs}
@@ -809,10 +823,10 @@ class Replayer:
         self.cursor[signature] = k + 1
         return indices[k]
 
-    def _skippable(self, func: Any, args: Any) -> bool:
+    def _skippable(self, op: Op, args: Any) -> bool:
         """A view (detach, alias) may pass its input's provenance on, so its readers need
         not depend on it: it is skipped only when its input was (it costs nothing)."""
-        return not func.is_view or self._reads_placeholder(args)
+        return not op.view or self._reads_placeholder(args)
 
     def _reads_placeholder(self, value: Any) -> bool:
         if isinstance(value, torch.Tensor):

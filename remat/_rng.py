@@ -36,7 +36,6 @@ from ._errors import RecomputeError
 
 __all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "threaded", "visible_generators"]
 
-_RANDOM: dict[Any, bool] = {}
 _local = threading.local()
 # Held while a region's random op draws: regions in other threads wait, not interleave.
 _DRAWING = threading.RLock()
@@ -56,11 +55,8 @@ def threaded() -> bool:
 
 
 def is_random(func: Any) -> bool:
-    """Whether an aten op draws from a generator (cached per overload)."""
-    random = _RANDOM.get(func)
-    if random is None:
-        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
-    return random
+    """Whether an aten op draws from a generator."""
+    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:

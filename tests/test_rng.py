@@ -39,6 +39,16 @@ def _rand_like(x):
     return x.sin() * torch.rand_like(x)
 
 
+def _rand_like_of_a_skipped_value(x):
+    # Under a per-op policy nothing saves x.neg(): the recompute skips it, and rand_like
+    # reads only its layout.
+    return (torch.rand_like(x.neg()) + 1) * x
+
+
+def _rand_on_a_skipped_values_device(x):
+    return (torch.rand(x.shape, dtype=x.dtype, device=x.neg().device) + 1) * x
+
+
 def _randint(x):
     return x.cos() * torch.randint(0, 5, x.shape, dtype=x.dtype)
 
@@ -80,6 +90,8 @@ RANDOM_FUNCTIONS = [
     _rand,
     _randn_like,
     _rand_like,
+    _rand_like_of_a_skipped_value,
+    _rand_on_a_skipped_values_device,
     _randint,
     _randint_like,
     _normal_,
@@ -120,10 +132,11 @@ def _assert_same(a, b):
             assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "save_everything"])
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
-def test_eager_random_ops_replay_bitwise(f):
+def test_eager_random_ops_replay_bitwise(f, policy):
     """Outputs, grads, numbers drawn between forward and backward, final states: as plain."""
-    _assert_same(_eager_run(f), _eager_run(remat(f)))
+    _assert_same(_eager_run(f), _eager_run(remat(f, policy=policy)))
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
