@@ -213,7 +213,16 @@ class Provenance:
 
     def signature(self, op: Op, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
         """The op and its arguments, tensors replaced by where they came from."""
-        return (op, self._key(args, reads), self._key(kwargs, reads) if kwargs else ())
+        keys = []
+        for arg in args:  # `_key`, unrolled for the usual arguments (this runs per op)
+            kind = type(arg)
+            if kind in _SELF_DESCRIBING:
+                keys.append(arg)
+            elif kind is torch.Tensor:
+                keys.append(self.describe(arg, reads))
+            else:
+                keys.append(self._key(arg, reads))
+        return (op, tuple(keys), self._key(kwargs, reads) if kwargs else ())
 
     def _key(self, value: Any, reads: set[int] | None) -> Any:
         kind = type(value)
