@@ -231,7 +231,7 @@ def _assert_bitwise(a: torch.Tensor, e: torch.Tensor, path: tuple[Any, ...]) -> 
 UNARY = ("sin", "exp", "tanh", "sigmoid", "relu", "square")
 BINARY = ("add", "mul", "sub", "div", "matmul2", "cat_split")
 SHAPED = ("matmul", "softmax", "layer_norm", "transpose", "reshape", "roll", "expand")
-KINDS = (*UNARY, *BINARY, *SHAPED, "inplace", "inner_grad")
+KINDS = (*UNARY, *BINARY, *SHAPED, "inplace", "inner_grad", "random")
 FUNC_KINDS = tuple(kind for kind in KINDS if kind != "inner_grad")  # no autograd.grad in torch.func
 # Ops with effects outside aten's dataflow: a Python branch on a value read out of a tensor,
 # data-dependent split sizes (MoE routing), a closure cache filled by the first call, a closure
@@ -251,6 +251,8 @@ OUTPUTS = ("last", "tuple", "dict", "mirror", "scalar")
 CHAIN_STEPS = ("mul_s", "add_t", "sub_t", "mul_t", "div_t", "clamp_", "addcmul_")
 LAST_STEPS = ("relu_",)
 VIEWS = ("whole", "cols", "t", "row")
+# Where a random op draws from (see `_random`).
+RANDOMS = ("dropout", "rand_like", "bernoulli_", "uniform_", "randn", "rand_on", "generator")
 # How tolist_branch reads a Python number out of a tensor.
 READS = ("tolist", "item", "numpy")
 # In-place writes of inplace_input to an input of the program (or to a clone: see `_ops`).
@@ -280,7 +282,8 @@ class Program:
 
     The pool of values starts as the tensor leaves of ``(args, kwargs)``; each op appends one.
     ``out`` picks the result's shape. The program reads closure tensors made from ``seed``:
-    ``w``, ``gamma``, ``beta`` (requiring grad) and ``c`` (not).
+    ``w``, ``gamma``, ``beta`` (requiring grad) and ``c`` (not), and its random ops may draw
+    from a generator of its own, also seeded from ``seed``.
     """
 
     n: int
@@ -294,7 +297,8 @@ class Params(NamedTuple):
 
     ``cache`` is filled by its cached ops' first call; ``buffers`` are the state tensors of
     its buffer_update ops, each a buffer of the module ``state`` (the op at hand's), read
-    through it as a model reads its buffers; ``holders`` are those modules.
+    through it as a model reads its buffers; ``holders`` are those modules. ``generator`` is
+    the program's own, for random ops that pass ``generator=``.
     """
 
     w: torch.Tensor
@@ -304,7 +308,12 @@ class Params(NamedTuple):
     cache: dict[str, torch.Tensor]
     buffers: list[torch.Tensor]
     holders: torch.nn.ModuleList
+    generator: torch.Generator
     state: torch.nn.Module | None = None
+
+    @property
+    def trainable(self) -> list[torch.Tensor]:
+        return [self.w, self.gamma, self.beta]
 
 
 def make_params(n: int, seed: int) -> Params:
@@ -319,6 +328,7 @@ def make_params(n: int, seed: int) -> Params:
         {},
         [],
         torch.nn.ModuleList(),
+        torch.Generator().manual_seed(seed + 1),
     )
 
 
@@ -423,6 +433,27 @@ _INPUT_STEPS: dict[str, Callable[[torch.Tensor, Params], Any]] = {
 }
 
 
+def _random(a: torch.Tensor, source: str, p: Params) -> torch.Tensor:
+    """``a`` times random numbers (or dropped out); ``source`` says how they are drawn.
+
+    No backward needs ``a.neg()``, so a recompute may skip it: the random op that reads only
+    its layout (or device) must still draw the forward's numbers.
+    """
+    if source == "dropout":
+        return F.dropout(a, 0.5, training=True)
+    if source == "rand_like":  # reads only the layout of a.neg()
+        return (torch.rand_like(a.neg()) + 1) * a
+    if source == "bernoulli_":  # in place, on a fresh tensor
+        return torch.empty_like(a).bernoulli_(0.5) * a
+    if source == "uniform_":
+        return torch.empty_like(a).uniform_(-1, 1) * a
+    if source == "randn":  # a factory: no tensor argument at all
+        return torch.randn(a.shape, dtype=a.dtype) * a
+    if source == "rand_on":  # a factory on the device of a.neg()
+        return (torch.rand(a.shape, dtype=a.dtype, device=a.neg().device) + 1) * a
+    return torch.rand(a.shape, dtype=a.dtype, generator=p.generator) * a  # not the global one
+
+
 def _inplace_input(a: torch.Tensor, param: tuple[bool, str], p: Params) -> torch.Tensor:
     """Write to ``a`` itself if ``param`` says so and autograd allows it, else to a clone."""
     in_place, step = param
@@ -458,6 +489,7 @@ _OPS: dict[str, Callable[[Sequence[torch.Tensor], Any, Params], torch.Tensor]] =
     "cached": lambda xs, how, p: _cached(xs[0], how, p),
     "buffer_update": lambda xs, how, p: _buffer_update(xs[0], how, p),
     "inplace_input": lambda xs, param, p: _inplace_input(xs[0], param, p),
+    "random": lambda xs, source, p: _random(xs[0], source, p),
 }
 _ARITY = {kind: 2 if kind in (*BINARY, "inplace") else 1 for kind in ALL_KINDS}
 
@@ -471,8 +503,10 @@ def _compile(ops: Sequence[Op | Block], params: Params, wrap: Callable[..., Any]
 def _compile_one(op: Op | Block, params: Params, wrap: Callable[..., Any]) -> Step:
     if isinstance(op, Block):
         steps = _compile(op.body, params, wrap)
+        generator = params.generator  # see `build_with_params`
 
         def block(*xs: torch.Tensor) -> torch.Tensor:
+            assert generator is not None
             pool = list(xs)
             for step in steps:
                 step(pool)
@@ -514,26 +548,30 @@ def build(
 
     ``wrap`` is applied to every `Block` (pass `remat` for nested regions).
     """
-    fn, params, _ = build_with_state(program, wrap)
-    return fn, params
+    fn, params = build_with_params(program, wrap)
+    return fn, params.trainable
 
 
-def build_with_state(
+def build_with_params(
     program: Program, wrap: Callable[..., Any] = identity
-) -> tuple[Callable[..., Any], list[torch.Tensor], list[torch.Tensor]]:
-    """`build`, plus the state tensors its buffer_update ops update in place."""
+) -> tuple[Callable[..., Any], Params]:
+    """`build`, with the whole closure: buffer_update's buffers and the program's generator too."""
     params = make_params(program.n, program.seed)
     steps = _compile(program.ops, params, wrap)
     holders = params.holders  # modules `fn` reaches by closure, as a model's
+    # fn and blocks name the program's generator, as a model would: remat captures only the
+    # generators a region can see (docs/rng.md#which-generators); a closure cell is one way.
+    generator = params.generator
 
     def fn(*args: Any, **kwargs: Any) -> Any:
         assert holders is not None
+        assert generator is not None
         pool = tensor_leaves((args, kwargs))
         for step in steps:
             step(pool)
         return _outputs(program.out, pool, args, kwargs)
 
-    return fn, [params.w, params.gamma, params.beta], params.buffers
+    return fn, params
 
 
 def program_ops(ops: Program | Sequence[Op | Block]) -> list[Op]:
@@ -573,6 +611,8 @@ def _param(draw: st.DrawFn, kind: str, n: int) -> Any:
         return draw(st.sampled_from(READS))
     if kind == "split_sizes":
         return draw(st.booleans())
+    if kind == "random":
+        return draw(st.sampled_from(RANDOMS))
     if kind == "cached":
         return draw(st.sampled_from(("masked_fill", "mul")))
     if kind == "buffer_update":
@@ -659,7 +699,8 @@ def programs(
 class Instance:
     """A callable with fresh arguments, and every tensor its gradients must reach.
 
-    ``state`` holds the closure tensors ``fn`` updates in place (buffer_update's buffers).
+    ``state`` holds the closure tensors ``fn`` updates in place (buffer_update's buffers);
+    ``generators`` the generators other than the global one that ``fn`` may draw from.
     """
 
     fn: Callable[..., Any]
@@ -667,6 +708,7 @@ class Instance:
     kwargs: dict[str, Any]
     targets: list[torch.Tensor]
     state: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    generators: list[torch.Generator] = dataclasses.field(default_factory=list)
 
     def __call__(self) -> Any:
         return self.fn(*self.args, **self.kwargs)
@@ -685,8 +727,10 @@ class Case:
     ) -> Instance:
         """``outer`` wraps the whole program, ``inner`` each of its blocks."""
         (args, kwargs), targets = realize((self.args, self.kwargs))
-        fn, params, state = build_with_state(self.program, inner)
-        return Instance(outer(fn), args, kwargs, targets + params, state)
+        fn, params = build_with_params(self.program, inner)
+        return Instance(
+            outer(fn), args, kwargs, targets + params.trainable, params.buffers, [params.generator]
+        )
 
 
 @st.composite
@@ -763,6 +807,13 @@ POLICY_OPS = (
     aten.native_layer_norm,
     aten.masked_fill,
     aten.index,
+    # The random kind's: its draws, and the value whose layout alone rand_like reads.
+    aten.bernoulli_,
+    aten.uniform_,
+    aten.rand_like,
+    aten.rand,
+    aten.randn,
+    aten.neg,
 )
 
 
@@ -821,11 +872,38 @@ def _subset(targets: list[torch.Tensor]) -> list[torch.Tensor]:
     return targets[::2]
 
 
+# Programs draw random numbers (the random kind), so runs compared must start from the same
+# global RNG state; and where the generators end is part of what remat must match.
+RNG_SEED = 0
+
+
+def from_seed(
+    run: Callable[[], Any], generators: Sequence[torch.Generator] = ()
+) -> tuple[Any, list[torch.Tensor]]:
+    """``run()`` from the global generator seeded with `RNG_SEED`, then every generator's state."""
+    torch.manual_seed(RNG_SEED)
+    result = run()
+    return result, [torch.get_rng_state(), *(g.get_state() for g in generators)]
+
+
+def _seeded(run: Callable[[Instance], tuple[Any, ...]]) -> Callable[[Instance], tuple[Any, ...]]:
+    """An eager mode's runner, run `from_seed`; the generators' states come last."""
+
+    @functools.wraps(run)
+    def seeded(inst: Instance) -> tuple[Any, ...]:
+        result, states = from_seed(lambda: run(inst), inst.generators)
+        return (*result, states)
+
+    return seeded
+
+
+@_seeded
 def run_outputs(inst: Instance) -> Any:
     out = inst()
     return out, [t.requires_grad for t in tensor_leaves(out)]
 
 
+@_seeded
 def run_backward(inst: Instance) -> Any:
     out = inst()
     loss = loss_of(out)
@@ -834,6 +912,7 @@ def run_backward(inst: Instance) -> Any:
     return out, _grads(inst.targets)
 
 
+@_seeded
 def run_backward_inputs(inst: Instance) -> Any:
     out = inst()
     loss = loss_of(out)
@@ -842,6 +921,7 @@ def run_backward_inputs(inst: Instance) -> Any:
     return out, _grads(inst.targets)
 
 
+@_seeded
 def run_grad(inst: Instance) -> Any:
     out = inst()
     loss = loss_of(out)
@@ -850,6 +930,7 @@ def run_grad(inst: Instance) -> Any:
     return out, torch.autograd.grad(loss, inst.targets, allow_unused=True)
 
 
+@_seeded
 def run_grad_subset(inst: Instance) -> Any:
     out = inst()
     loss = loss_of(out)
@@ -858,6 +939,7 @@ def run_grad_subset(inst: Instance) -> Any:
     return out, torch.autograd.grad(loss, _subset(inst.targets), allow_unused=True)
 
 
+@_seeded
 def run_retain_graph(inst: Instance) -> Any:
     out = inst()
     loss = loss_of(out)
@@ -870,6 +952,7 @@ def run_retain_graph(inst: Instance) -> Any:
     return out, first, _grads(inst.targets), other
 
 
+@_seeded
 def run_create_graph(inst: Instance) -> Any:
     out = inst()
     loss = loss_of(out)
@@ -914,17 +997,21 @@ def _grad_grad(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Ten
 
 
 # Each takes f: Tensor -> scalar Tensor and returns a function of the same x (with a leading
-# batch dimension for the names in BATCHED).
+# batch dimension for the names in BATCHED). A vmap raises on random ops unless told how to
+# draw: each example its own numbers under vmap_grad; under jacfwd every column of one
+# Jacobian must see the same numbers.
 STACKS: dict[str, Callable[[Callable[[torch.Tensor], torch.Tensor]], Callable[..., Any]]] = {
     "grad": torch.func.grad,
-    "vmap_grad": lambda f: torch.func.vmap(torch.func.grad(f)),
+    "vmap_grad": lambda f: torch.func.vmap(torch.func.grad(f), randomness="different"),
     "grad_grad": _grad_grad,
     "vjp": _vjp,
     "jacrev": torch.func.jacrev,
     "hessian": torch.func.hessian,
-    "jacfwd": torch.func.jacfwd,
+    "jacfwd": functools.partial(torch.func.jacfwd, randomness="same"),
     "jvp": _jvp,
 }
+# hessian's inner jacfwd vmaps with randomness="error", and hessian has no way to change it.
+NO_RANDOM_STACKS = frozenset({"hessian"})
 BATCHED = frozenset({"vmap_grad"})
 # Pending issue 3: remat does not claim these stacks yet, so the equivalence tests skip them.
 # Move a name out of PENDING once issue 3 lands.
@@ -947,12 +1034,26 @@ def func_programs(
     return draw(programs(n, 1, kinds=kinds, max_ops=max_ops, block_depth=block_depth))
 
 
-def scalar_fn(
-    program: Program, outer: Callable[..., Any] = identity, inner: Callable[..., Any] = identity
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> scalar_of(outer(program)(x))``, with ``inner`` wrapping each block."""
-    region = outer(build(program, inner)[0])
-    return lambda x: scalar_of(region(x))
+def draws_random(program: Program) -> bool:
+    """Whether ``program`` has a random op, in a block or not."""
+    return any(op.kind == "random" for op in program_ops(program))
+
+
+def run_stack(
+    stack: str,
+    program: Program,
+    x: torch.Tensor,
+    outer: Callable[..., Any] = identity,
+    inner: Callable[..., Any] = identity,
+) -> tuple[Any, list[torch.Tensor]]:
+    """``STACKS[stack]`` of ``x -> scalar_of(outer(program)(x))`` at ``x``, run `from_seed`.
+
+    ``inner`` wraps each block.
+    """
+    fn, params = build_with_params(program, inner)
+    region = outer(fn)
+    transformed = STACKS[stack](lambda x: scalar_of(region(x)))
+    return from_seed(lambda: transformed(x), [params.generator])
 
 
 def import_benchmark(name: str) -> Any:

@@ -1,8 +1,9 @@
 """Equivalence under policies: whatever `remat(fn, policy=...)` keeps, it computes what fn does.
 
-Every entry of `POLICIES` and random custom policies run the program corpus (with the ops
-that read values out of tensors, cache, update state, or write to their inputs) in every
-eager autograd mode and under torch.func's grad and vmap(grad).
+Every entry of `POLICIES` and random custom policies run the program corpus (with random
+ops, and the ops that read values out of tensors, cache, update state, or write to their
+inputs) in every eager autograd mode and under torch.func's grad and vmap(grad); the
+generators' states after each run are compared too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from tests.helpers import (
     KINDS,
     NAMESPACE,
     POLICIES,
-    STACKS,
     Case,
     Instance,
     Program,
@@ -39,7 +39,7 @@ from tests.helpers import (
     examples,
     func_programs,
     reads_memory,
-    scalar_fn,
+    run_stack,
     writes_inputs,
 )
 
@@ -52,6 +52,7 @@ FUNC_STACKS = tuple(FUNC_EFFECT_KINDS)  # grad, vmap_grad
 # torch.func runs none of inner_grad (autograd.grad), buffer_update (it mutates a captured
 # tensor) and inplace_input (its input is a leaf requiring grad: it would write to a clone);
 # under vmap, tolist_branch and split_sizes cannot read numbers out of a batched tensor.
+# Random ops run under both: vmap_grad draws each example's own numbers (see `STACKS`).
 FUNC_PROGRAMS = {
     stack: func_programs(kinds=(*FUNC_KINDS, *FUNC_EFFECT_KINDS[stack]), block_depth=0).filter(
         lambda program: not reads_memory(program)  # no .numpy() of a wrapped tensor
@@ -120,15 +121,14 @@ def test_custom_policy(mode: str, policy: Any, case: Case) -> None:
 def _check_func(stack: str, policy: Any, program: Program, seed: int) -> None:
     shape = (2, program.n, program.n) if stack in BATCHED else (program.n, program.n)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
-    transform = STACKS[stack]
-    remat_f = transform(scalar_fn(program, functools.partial(remat, policy=policy)))
+    wrap = functools.partial(remat, policy=policy)
     try:
-        expected = transform(scalar_fn(program))(x)
+        expected = run_stack(stack, program, x)
     except RuntimeError as error:  # relu_ on a view of a leaf under vmap: plain refuses too
         with pytest.raises(type(error), match=re.escape(str(error))):
-            remat_f(x)
+            run_stack(stack, program, x, wrap)
         return
-    assert_tree_equal(remat_f(x), expected)
+    assert_tree_equal(run_stack(stack, program, x, wrap), expected)
 
 
 # vmap runs clamp_, addcmul_ and bincount through its (slow but exact) fallback, and says so.
