@@ -2,12 +2,15 @@
 
 The first forward of a signature keeps every op output tentatively. When it ends,
 the candidates are the outputs the backward reads (a view's base stands for the
-view); plain autograd's bytes for the region are what it saved. The choices for
-budgets of 0%, 1%, ..., 100% of plain's bytes are made together, from the top down:
-each step keeps a subset of what the step above keeps, dropping first what spares the
-least recompute cost per byte. So a larger budget keeps a superset, and since every
-candidate is read by the backward, it holds more bytes and the recompute (what the
-backward needs, stopping at kept values) runs a subset of the ops.
+view, the last step of an in-place chain for the chain); plain autograd's bytes for
+the region are what it saved. The choices for budgets of 0%, 1%, ..., 100% of plain's
+bytes are made together, as one chain of sets: each step keeps a superset of what the
+step below keeps. So a larger budget holds more bytes, and since every candidate is
+read by the backward, the recompute (what the backward needs, stopping at kept values)
+runs a subset of the ops. Three greedy rankings propose sets for each step (`_greedy`,
+twice, and `_growing`); of the chains through them, the one whose worst step is
+nearest the cheapest proposal for that step, then the cheapest in sum, is kept
+(`_nested`).
 
 Later forwards of the signature replay the choice by op index, after checking that
 the ops, their output layouts, what each read and what autograd saved are the planned
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +32,7 @@ import torch
 
 from . import _torch_private
 from ._policies import OpCall
+from ._rng import is_random
 
 __all__ = ["Plan", "choose", "estimated_cost", "lookup", "signature", "store"]
 
@@ -37,20 +42,27 @@ __all__ = ["Plan", "choose", "estimated_cost", "lookup", "signature", "store"]
 # ~3.4 TB/s). Only ratios of costs matter to the choice.
 _BALANCE = {"cpu": 10.0, "cuda": 100.0}
 _DEFAULT_BALANCE = 10.0
+# Random ops draw each number: on that machine's CPU, bernoulli_ writes 0.46 GB/s and
+# uniform_ and normal_ 0.8 GB/s, where gelu moves 7.6 GB/s. Elsewhere (CUDA's Philox
+# kernels are memory-bound) they count as other elementwise ops: not measured there.
+_RANDOM_SLOWDOWN = {"cpu": 16.0}
 
 
 def estimated_cost(call: OpCall) -> float:
     """A roofline estimate of an op's time, in FLOPs: ``max(flops, balance * bytes)``.
 
     FLOPs come from torch's FLOP counter formulas (matrix products, convolutions,
-    attention), bytes moved are those of the tensor arguments and outputs.
+    attention), bytes moved are those of the tensor arguments and outputs; a random op's
+    bytes count as many times as drawing is slower than moving them.
     """
     tree: Any = (call.args, call.kwargs, call.output)
     leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    moved = sum(t.nbytes for t in tensors if t.layout == torch.strided)
+    moved = float(sum(t.nbytes for t in tensors if t.layout == torch.strided))
     device = tensors[0].device.type if tensors else "cpu"
     flops = _torch_private.flops(call.op, call.args, call.kwargs, call.output)
+    if is_random(call.op):
+        moved *= _RANDOM_SLOWDOWN.get(device, 1.0)
     return max(float(flops), _BALANCE.get(device, _DEFAULT_BALANCE) * moved)
 
 
@@ -82,8 +94,7 @@ class Plan:
         )
 
 
-# A budget's choices form a chain over steps of 1% of plain autograd's bytes: the set kept
-# at one step contains the set kept at the step below, so a larger budget keeps more.
+# A budget's choices are made over steps of 1% of plain autograd's bytes.
 _STEPS = 100
 
 
@@ -94,6 +105,7 @@ def choose(
     deps: list[tuple[int, ...]],
     costs: list[float],
     starts: list[int],
+    chains: dict[int, tuple[int, ...]],
 ) -> tuple[list[int], dict[int, str]]:
     """The candidates a budget keeps, and why each.
 
@@ -104,67 +116,188 @@ def choose(
         deps: op index -> the ops it read.
         costs: op index -> estimated cost of running it again.
         starts: the ops the backward needs (values it reads, ops that always run).
+        chains: a candidate that ends an in-place chain -> the chain's ops, which the
+            recompute does not run when the candidate is kept.
     """
-    step = int(fraction * _STEPS + 1e-9)
-    chain = _chain(candidates, plain, functools.partial(_recompute_cost, starts, deps, costs))
-    kept = {c: why for c, (first, why) in chain.items() if 0 < first <= step}
-    return list(kept), kept
+    cost = functools.cache(functools.partial(_recompute_cost, starts, deps, costs, chains))
+    pool = {kept for need in (False, True) for kept in _greedy(candidates, plain, cost, need)}
+    pool.update(_growing(candidates, plain, cost))
+    kept = _nested(sorted(pool, key=sorted), candidates, plain, cost)[int(fraction * _STEPS + 1e-9)]
+    base = cost(kept)
+    return sorted(kept), {c: f"spares recompute cost {cost(kept - {c}) - base:.3g}" for c in kept}
 
 
-def _chain(
-    candidates: dict[int, int], plain: int, cost: Callable[[set[int]], float]
-) -> dict[int, tuple[int, str]]:
-    """Candidate -> the first step that keeps it, and what keeping it spares there.
+def _greedy(
+    candidates: dict[int, int],
+    plain: int,
+    cost: Callable[[frozenset[int]], float],
+    need: bool,
+) -> list[frozenset[int]]:
+    """Step -> the set a greedy ranking keeps there, from the top down.
 
-    From the top down: each step starts from the set kept one step up and drops, while it
-    holds more than the step allows, the candidate whose loss adds the least recompute
-    cost per byte it frees; then takes back, dearest per byte first, those it dropped
-    that fit again. Losses change as others go: one is evaluated again when it comes
-    first, and put back if it no longer does.
+    Each step starts from the set kept one step up and drops, while it holds more than the
+    step allows, the candidate whose loss adds the least recompute cost per byte it frees
+    (with ``need``, counting no more bytes than are still to free, so that one value that
+    frees enough is not passed over for a larger one); then takes back, dearest per byte
+    first, those it dropped that fit again.
     """
-    kept = set(candidates)
+    kept = frozenset(candidates)
     held = sum(candidates.values())
     base = cost(kept)
-
-    def loss(c: int) -> float:
-        return cost(kept - {c}) - base
 
     def per_byte(c: int, value: float) -> float:
         return value / max(candidates[c], 1)
 
-    heap = [(per_byte(c, loss(c)), c) for c in candidates]
+    # Losses per byte when last evaluated: they change as others go, so the cheapest is
+    # found by evaluating candidates in this order until the next one's key exceeds the
+    # best found (a key that counts fewer bytes is no smaller).
+    heap = [(per_byte(c, cost(kept - {c}) - base), c) for c in candidates]
     heapq.heapify(heap)
-    first: dict[int, tuple[int, str]] = {}
+    sets = []
     for step in range(_STEPS, -1, -1):
-        limit = step * plain / _STEPS
         dropped = []
-        while held > limit:
-            _, c = heapq.heappop(heap)
-            lost = loss(c)
-            if heap and per_byte(c, lost) > heap[0][0]:
-                heapq.heappush(heap, (per_byte(c, lost), c))
-                continue
-            kept.discard(c)
+        while held * _STEPS > step * plain:
+            seen: list[tuple[float, int, float]] = []
+            while heap and (not seen or heap[0][0] < min(seen)[0]):
+                _, c = heapq.heappop(heap)
+                lost = cost(kept - {c}) - base
+                freed = min(candidates[c], held - step * plain // _STEPS) if need else candidates[c]
+                seen.append((lost / max(freed, 1), c, lost))
+            _, c, lost = min(seen)
+            for _, other, value in seen:
+                if other != c:
+                    heapq.heappush(heap, (per_byte(other, value), other))
+            kept -= {c}
             held -= candidates[c]
             base += lost
             dropped.append((c, lost))
         for c, _ in sorted(dropped, key=lambda d: -per_byte(*d)):
             gain = base - cost(kept | {c})
-            if held + candidates[c] <= limit and gain > 0:
-                kept.add(c)
+            if (held + candidates[c]) * _STEPS <= step * plain and gain > 0:
+                kept |= {c}
                 held += candidates[c]
                 base -= gain
                 heapq.heappush(heap, (per_byte(c, gain), c))
-            else:
-                first[c] = (step + 1, f"spares recompute cost {gain:.3g}")
-    return first
+        sets.append(kept)
+    return sets[::-1]
+
+
+def _growing(
+    candidates: dict[int, int], plain: int, cost: Callable[[frozenset[int]], float]
+) -> list[frozenset[int]]:
+    """Step -> the set a greedy ranking keeps there, from the bottom up: each step starts
+    from the set kept one step down and adds, while one fits and spares any recompute cost,
+    the candidate that spares the most per byte (evaluated lazily, as in `_greedy`)."""
+    kept: frozenset[int] = frozenset()
+    held = 0
+    base = cost(kept)
+    heap = [(-(base - cost(frozenset({c}))) / max(n, 1), c) for c, n in candidates.items()]
+    heapq.heapify(heap)
+    sets = []
+    for step in range(_STEPS + 1):
+        waiting = []  # too large for this step, or sparing nothing now
+        while True:
+            seen: list[tuple[float, int, float]] = []
+            while heap and (not seen or heap[0][0] < min(seen)[0]):
+                key, c = heapq.heappop(heap)
+                if (held + candidates[c]) * _STEPS > step * plain:
+                    waiting.append((key, c))
+                    continue
+                gain = base - cost(kept | {c})
+                seen.append((-gain / max(candidates[c], 1), c, gain))
+            _, c, gain = min(seen, default=(0.0, 0, 0.0))
+            if gain <= 0:  # nothing that fits spares anything now
+                waiting.extend((key, other) for key, other, _ in seen)
+                break
+            for key, other, _ in seen:
+                if other != c:
+                    heapq.heappush(heap, (key, other))
+            kept |= {c}
+            held += candidates[c]
+            base -= gain
+        heap.extend(waiting)
+        heapq.heapify(heap)
+        sets.append(kept)
+    return sets
+
+
+def _nested(
+    pool: list[frozenset[int]],
+    candidates: dict[int, int],
+    plain: int,
+    cost: Callable[[frozenset[int]], float],
+) -> list[frozenset[int]]:
+    """Step -> the set kept there: a chain of sets from ``pool``, each within its step's
+    bytes and containing the step below's.
+
+    Of those chains, the ones whose worst step costs least against the cheapest set in
+    ``pool`` that fits that step; of these, the one whose cost summed over the steps is
+    least. A chain moves to its next set at the first step that set fits (a superset
+    recomputes no more), so each is found by dynamic programming over ``pool`` in order of
+    that step; ties go to the first in ``pool``.
+    """
+    first = {s: -(-sum(candidates[c] for c in s) * _STEPS // max(plain, 1)) for s in pool}
+    order = [s for s in pool if first[s] <= _STEPS]
+    order.sort(key=lambda s: first[s])
+    least = [math.inf] * (_STEPS + 1)
+    for s in order:
+        for step in range(first[s], _STEPS + 1):
+            least[step] = min(least[step], cost(s))
+
+    def regret(s: frozenset[int], end: int) -> float:
+        """The worst of ``cost(s)`` against the cheapest, from its first step to ``end``."""
+        if end == first[s]:
+            return 0.0
+        return cost(s) / least[end - 1] if least[end - 1] else 1.0 + cost(s)
+
+    bound = _chain(order, first, lambda s, end, below: max(below, regret(s, end)))[0]
+
+    def total(s: frozenset[int], end: int, below: float) -> float:
+        ok = regret(s, end) <= bound
+        return below + cost(s) * (end - first[s]) if ok else math.inf
+
+    return _chain(order, first, total)[1]
+
+
+def _chain(
+    order: list[frozenset[int]],
+    first: dict[frozenset[int], int],
+    score: Callable[[frozenset[int], int, float], float],
+) -> tuple[float, list[frozenset[int]]]:
+    """The chain of sets from ``order`` that minimizes a score, ``score(s, end, below)``
+    for set ``s`` kept up to step ``end`` after a chain scoring ``below``; and the chain,
+    as each step's set."""
+    best: dict[frozenset[int], tuple[float, frozenset[int] | None]] = {}
+    for s in order:
+        below: list[tuple[float, frozenset[int] | None]]
+        below = [(score(t, first[s], b), t) for t, (b, _) in best.items() if t <= s]
+        if first[s] == 0:
+            below.append((0.0, None))
+        if below:
+            best[s] = min(below, key=lambda b: b[0])
+    least, last = min(
+        ((score(s, _STEPS + 1, b), s) for s, (b, _) in best.items()), key=lambda b: b[0]
+    )
+    sets: list[frozenset[int]] = []
+    end = _STEPS + 1
+    node: frozenset[int] | None = last
+    while node is not None:
+        sets[:0] = [node] * (end - first[node])
+        end = first[node]
+        node = best[node][1]
+    return least, sets
 
 
 def _recompute_cost(
-    starts: list[int], deps: list[tuple[int, ...]], costs: list[float], kept: set[int]
+    starts: list[int],
+    deps: list[tuple[int, ...]],
+    costs: list[float],
+    chains: dict[int, tuple[int, ...]],
+    kept: set[int],
 ) -> float:
-    """Cost of the ops a recompute runs: what ``starts`` needs, stopping at kept ops."""
-    seen: set[int] = set()
+    """Cost of the ops a recompute runs: what ``starts`` needs, stopping at kept ops
+    (and at the ops of kept chains)."""
+    seen: set[int] = {member for end in kept & chains.keys() for member in chains[end]}
     stack = list(starts)
     total = 0.0
     while stack:

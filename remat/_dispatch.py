@@ -64,7 +64,7 @@ class OpMode(_torch_private.TorchDispatchMode):
             return func(*args, **kwargs)
         op = op_info(func)
         if self.replayer is not None:
-            out = self.replayer.call(op, args, kwargs, self._run)
+            out = self.replayer.call(op, args, kwargs, self._run, self._passed)
         else:
             out = self._run(op, args, kwargs)
             if self.keeper is not None:
@@ -83,3 +83,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         if self.replay is not None:
             return self.replay.call(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _passed(self, op: Op, args: Any, kwargs: Any) -> bool:
+        """A random op the recompute does not run: whether its draw could be left out."""
+        return self.replay is None or self.replay.skip(op.func, args, kwargs)

@@ -20,6 +20,7 @@ starts again without skipping (`Restart`).
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -314,6 +315,8 @@ class Keeper:
 
     __slots__ = (
         "budget",
+        "chained",
+        "chains",
         "costs",
         "decided",
         "deps",
@@ -338,6 +341,7 @@ class Keeper:
         "skip",
         "skips",
         "sources",
+        "steps",
         "table",
         "tags",
         "wanted",
@@ -357,6 +361,11 @@ class Keeper:
         self.deps: list[tuple[int, ...]] = []  # op index -> indices of the ops it read
         self.layouts: list[Any] = []  # op index -> output layouts, for placeholders
         self.roots: list[int] = []  # ops that always run in the recompute
+        # `memory_budget`: in-place steps (op index -> the op whose output it writes), and
+        # once the forward finished, the chains they form (`_chains`).
+        self.steps: dict[int, int] = {}
+        self.chains: dict[int, tuple[int, ...]] = {}  # last step -> the chain's ops
+        self.chained: dict[int, int] = {}  # op index -> its kept chain's last step
         self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
         self.outside: dict[int, weakref.ref[torch.Tensor]] = {}
         self.provenance: Provenance | None = Provenance(_plain(inputs), self.outside, forward=True)
@@ -401,15 +410,17 @@ class Keeper:
             self.table.setdefault(signature, []).append(index)
         except TypeError:  # an unhashable argument: never matched
             pass
+        step = self.budget is not None and kind == _ALWAYS_RUNS and self._step(op, args, out)
         provenance.record(op, args, out, index)
         layout = _Shape.of(out)
         self.layouts.append(layout)
-        decided = kind in (_DECIDED, _READS_METADATA) and layout is not None
+        decided = (kind in (_DECIDED, _READS_METADATA) or step) and layout is not None
         if self.budget is not None:
             decided = self._budgeted(index, func, args, kwargs, out, decided)
         if kind == _ALWAYS_RUNS or layout is None:
             self.roots.append(index)
-            return
+            if not (step and decided):
+                return
         if not decided:
             return
         decision = self.decided.get(op) if self.decided is not None else None
@@ -423,6 +434,24 @@ class Keeper:
                 self.decided[op] = decision
         if decision is not Decision.RECOMPUTE:
             self._apply(index, decision, out)
+
+    def _step(self, op: Op, args: Any, out: Any) -> bool:
+        """Whether op ``op`` (it just ran) writes only its first argument, in place, once,
+        and that argument is an op's output as that op left it, or as a step left it:
+        noted in `steps`. (Dropout's mask is ``empty_like``, ``bernoulli_``, ``div_``.)"""
+        target = args[0] if args else None
+        if out is not target or not op.mutable or not isinstance(target, torch.Tensor):
+            return False
+        made = self.provenance.made.get(id(target)) if self.provenance is not None else None
+        if made is None or made.ref() is not target:
+            return False
+        # Versions go up once an in-place op returns: a step's own count from then.
+        if target._version - made.made_at != (made.op in self.steps):
+            return False
+        if any(t is not target for t in _written(op.func, args, {})):
+            return False
+        self.steps[len(self.ops) - 1] = made.op
+        return True
 
     def _budgeted(
         self, index: int, func: Any, args: Any, kwargs: Any, out: Any, decided: bool
@@ -483,7 +512,8 @@ class Keeper:
             self._apply(index, decision, t)
 
     def _apply(self, index: int, decision: Decision, out: Any) -> None:
-        self.kept[index] = (out, _version(out))
+        # An in-place step's write counts once it returns.
+        self.kept[index] = (out, _version(out) + (index in self.steps))
         for t in _outputs(out):
             key = storage_key(t)
             if key is not None:
@@ -539,12 +569,16 @@ class Keeper:
         if self.error is not None:
             raise self.error
         self.skips = self.skips and skip
+        self.chains = self._chains() if self.steps else {}
         if self.costs is not None:
             self._choose()
         elif self.plan is not None and (
             len(self.ops) != len(self.plan.ops) or self.wanted != self.plan.wanted
         ):
             self._abandon()  # autograd saved other values: the plan's bound may not hold
+        self.chained = {
+            member: end for end in self.kept if end in self.chains for member in self.chains[end]
+        }
         needed = self._needed()
         with _torch_private.functorch_cleared():
             for index in list(self.kept):
@@ -566,12 +600,14 @@ class Keeper:
         starts = [i for i in self.wanted if i < limit] + [r for r in self.roots if r < limit]
         candidates: dict[int, int] = {}
         for index in map(self._base, starts):
+            if index in self.steps and index not in self.chains:
+                continue
             entry = self.kept.get(index)
             if entry is not None and _version(entry[0]) == entry[1]:
                 candidates[index] = sum(t.untyped_storage().nbytes() for t in _outputs(entry[0]))
         plain = sum(self.saved_bytes.values())
         order, why = _budget.choose(
-            self.budget.fraction, candidates, plain, self.deps, self.costs, starts
+            self.budget.fraction, candidates, plain, self.deps, self.costs, starts, self.chains
         )
         for index in set(self.kept) - set(order):
             self.kept.pop(index)
@@ -589,6 +625,28 @@ class Keeper:
         )
         _budget.store(self.budget, self.key, self.plan)
         self.costs = None
+
+    def _chains(self) -> dict[int, tuple[int, ...]]:
+        """In-place chains the recompute may take whole from the kept value of their last
+        step: last step -> its ops. The first made the memory (one output, not a view),
+        then each step writes it and only the next step reads it; autograd saved none of
+        these values but the last."""
+        readers = collections.Counter(d for deps in self.deps for d in deps)
+        chains = {}
+        for end in self.steps:
+            members = [end]
+            while members[-1] in self.steps:
+                made = self.steps[members[-1]]
+                if readers[made] != 1 or made in self.wanted:
+                    break
+                members.append(made)
+            else:
+                first = members[-1]
+                if op_info(self.ops[first]).kind in (_DECIDED, _READS_METADATA) and isinstance(
+                    self.layouts[first], _Shape
+                ):
+                    chains[end] = tuple(reversed(members))
+        return chains
 
     def _base(self, index: int) -> int:
         """The op that made the memory op ``index``'s output views (a view is kept by
@@ -615,6 +673,7 @@ class Keeper:
         """
         if self.finished and self.kept:
             self.kept.clear()
+            self.chained = {}
             self._skip(self._needed())
 
     def stop_skipping(self) -> None:
@@ -632,7 +691,7 @@ class Keeper:
             if index in needed:
                 continue
             needed.add(index)
-            if index not in self.kept:
+            if index not in self.kept and index not in self.chained:
                 stack.extend(self.deps[index])
         return needed
 
@@ -650,6 +709,17 @@ class Keeper:
         """
         out, version = self.kept[index]
         return self.finished or _version(out) == version
+
+    def chain_value(self, end: int) -> torch.Tensor:
+        """The kept value of chain ``end`` for its first op: memory of its own (the chain's
+        steps bump a version counter, which this one does not share with the kept value)."""
+        value = self.value(end)
+        if end in self.offload:
+            return value  # a copy already
+        own = torch.empty((0,), dtype=value.dtype, device=value.device)
+        return own.set_(
+            value.untyped_storage(), value.storage_offset(), value.shape, value.stride()
+        )
 
     def value(self, index: int) -> Any:
         """A kept value, on its own device, as a fresh alias autograd may attach to."""
@@ -722,8 +792,20 @@ class Replayer:
         # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
         self.fresh: dict[int, weakref.ref[Any]] = {}
 
-    def call(self, op: Op, args: Any, kwargs: Any, run: Callable[[Op, Any, Any], Any]) -> Any:
-        """One op of the recompute: its kept value, a placeholder, or what ``run`` returns."""
+    def call(
+        self,
+        op: Op,
+        args: Any,
+        kwargs: Any,
+        run: Callable[[Op, Any, Any], Any],
+        passed: Callable[[Op, Any, Any], bool],
+    ) -> Any:
+        """One op of the recompute: its kept value, a placeholder, or what ``run`` returns.
+
+        A step of a kept chain returns its argument, whose memory holds the chain's end
+        already; ``passed`` then draws a random step's numbers, or returns False where it
+        cannot skip them (the step then draws into scratch memory).
+        """
         signature = self.provenance.signature(op, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
         if index is None and not self.diverged and self.placeholders and _device(kwargs) == _META:
@@ -735,7 +817,15 @@ class Replayer:
             if again is not None:
                 index, kwargs = again, moved
         keeper = self.keeper
-        if index is not None and index in keeper.kept and keeper.replayable(index):
+        end = keeper.chained.get(index) if index is not None else None
+        if end is not None and end in keeper.kept and keeper.replayable(end):
+            if index == keeper.chains[end][0]:
+                out = keeper.chain_value(end)
+            else:
+                out = args[0]
+                if op.random and not passed(op, args, kwargs):
+                    run(op, (torch.empty_like(out), *args[1:]), kwargs)
+        elif index is not None and index in keeper.kept and keeper.replayable(index):
             out = keeper.value(index)
         elif index is not None and index in keeper.skip and self._skippable(op, args):
             out = self._placeholder(keeper.skip[index])

@@ -358,6 +358,17 @@ class RngReplay:
         states = self.draws.get(clone)
         return states[-1] if states else clone.get_state()
 
+    def skip(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Leave out random op ``func``'s draw, if the forward kept the state of each op
+        of its generator (the next op then starts from its own); else False."""
+        generator = _op_generator(args, kwargs)
+        clone = _find(self.clones, generator) if generator is not None else None
+        states = self.draws.get(clone) if clone is not None else None
+        if not states:
+            return False
+        states.pop()
+        return True
+
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         generator = _op_generator(args, kwargs)
         if generator is None:
