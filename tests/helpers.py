@@ -1013,10 +1013,6 @@ STACKS: dict[str, Callable[[Callable[[torch.Tensor], torch.Tensor]], Callable[..
 # hessian's inner jacfwd vmaps with randomness="error", and hessian has no way to change it.
 NO_RANDOM_STACKS = frozenset({"hessian"})
 BATCHED = frozenset({"vmap_grad"})
-# Pending issue 3: remat does not claim these stacks yet, so the equivalence tests skip them.
-# Move a name out of PENDING once issue 3 lands.
-PENDING = frozenset({"vjp", "jacrev", "hessian", "jacfwd", "jvp"})
-WORKING_STACKS = tuple(name for name in STACKS if name not in PENDING)
 
 
 def scalar_of(out: Any) -> torch.Tensor:

@@ -20,7 +20,7 @@ from tests.helpers import (
     EAGER_MODES,
     NAMESPACE,
     NO_RANDOM_STACKS,
-    WORKING_STACKS,
+    STACKS,
     Case,
     Instance,
     Op,
@@ -242,12 +242,13 @@ def _func_input(program: Program, seed: int, batched: bool) -> torch.Tensor:
 # vmap runs clamp_ and addcmul_ through its (slow but exact) fallback, and says so.
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
-@pytest.mark.parametrize("stack", WORKING_STACKS)
+@pytest.mark.parametrize("stack", STACKS)
 @SOME
 @given(program=func_programs(), seed=st.integers(0, 2**16))
 @example(program=EXP_UNDER_GRAD_GRAD, seed=0)
 def test_func_transforms(stack: str, nested: bool, program: Program, seed: int) -> None:
-    """Under grad and vmap(grad) remat(f) gives f's results bitwise; grad(grad) to 1e-12."""
+    """Under every stack of `STACKS` remat(f) gives f's results bitwise; grad(grad) to
+    1e-12."""
     assume(stack not in NO_RANDOM_STACKS or not draws_random(program))  # see NO_RANDOM_STACKS
     x = _func_input(program, seed, stack in BATCHED)
     expected = run_stack(stack, program, x)
