@@ -825,7 +825,12 @@ class Replayer:
                 out = args[0]
                 if op.random and not passed(op, args, kwargs):
                     run(op, (torch.empty_like(out), *args[1:]), kwargs)
-        elif index is not None and index in keeper.kept and keeper.replayable(index):
+        elif (
+            index is not None
+            and index in keeper.kept
+            and index not in keeper.steps  # an in-place step returns its argument
+            and keeper.replayable(index)
+        ):
             out = keeper.value(index)
         elif index is not None and index in keeper.skip and self._skippable(op, args):
             out = self._placeholder(keeper.skip[index])

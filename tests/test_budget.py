@@ -429,7 +429,16 @@ def _reads_a_step(x, w):
     return ((x @ w) * m.div_(0.5)).sin().sum() * s
 
 
-@pytest.mark.parametrize("fn", [_dropouts, _own_generator, _reads_a_step])
+def _grad_after_a_step(x, w):
+    # autograd.grad inside fn recomputes while the forward runs, before any plan: the
+    # in-place step must run on the recomputed clone, not hand back the forward's value.
+    h = (x @ w).clone()
+    h.mul_(2.0)
+    (g,) = torch.autograd.grad(h.tanh().square().sum(), w, create_graph=True)
+    return (g * w).sum()
+
+
+@pytest.mark.parametrize("fn", [_dropouts, _own_generator, _reads_a_step, _grad_after_a_step])
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_in_place_chains_keep_random_masks_bitwise(fn, fraction):
     """A kept dropout mask (``empty_like``, ``bernoulli_``, ``div_``) is not drawn again;
