@@ -803,8 +803,8 @@ class Replayer:
         """One op of the recompute: its kept value, a placeholder, or what ``run`` returns.
 
         A step of a kept chain returns its argument, whose memory holds the chain's end
-        already; ``passed`` then draws a random step's numbers, or returns False where it
-        cannot skip them (the step then draws into scratch memory).
+        already. A random op that does not run leaves its draw out (``passed``), or where
+        that cannot be, draws into scratch memory (`_pass`).
         """
         signature = self.provenance.signature(op, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
@@ -823,8 +823,8 @@ class Replayer:
                 out = keeper.chain_value(end)
             else:
                 out = args[0]
-                if op.random and not passed(op, args, kwargs):
-                    run(op, (torch.empty_like(out), *args[1:]), kwargs)
+                if op.random:  # its draw goes to scratch memory, not the kept value
+                    self._pass(op, (torch.empty_like(out), *args[1:]), kwargs, run, passed)
         elif (
             index is not None
             and index in keeper.kept
@@ -832,8 +832,12 @@ class Replayer:
             and keeper.replayable(index)
         ):
             out = keeper.value(index)
+            if op.random:  # rand_like and such: a policy may keep them
+                self._pass(op, args, kwargs, run, passed)
         elif index is not None and index in keeper.skip and self._skippable(op, args):
             out = self._placeholder(keeper.skip[index])
+            if op.random:
+                self._pass(op, args, kwargs, run, passed)
         else:
             if self.placeholders and self._reads_placeholder((args, kwargs)):
                 if op.kind != _READS_METADATA:
@@ -851,6 +855,22 @@ class Replayer:
                     self.diverged = True  # an unknown write: aliases may now hold anything
         self.provenance.record(op, args, out, -1 if index is None else index)
         return out
+
+    def _pass(
+        self,
+        op: Op,
+        args: Any,
+        kwargs: Any,
+        run: Callable[[Op, Any, Any], Any],
+        passed: Callable[[Op, Any, Any], bool],
+    ) -> None:
+        """A random op the recompute does not run: leave its draw out (``passed``), or
+        where the replay cannot, draw and drop the numbers. Either way later random ops
+        draw what the forward's did."""
+        if self.placeholders:
+            args, kwargs = self._real_layouts((args, kwargs))
+        if not passed(op, args, kwargs):
+            run(op, args, kwargs)
 
     def _made_fresh(self, op: Op, args: Any, out: Any) -> None:
         """Note the memory an unmatched op allocated (not a view: no input's memory)."""

@@ -11,7 +11,7 @@ import torch
 from torch.func import grad, vmap
 from tqdm import _monitor as tqdm_monitor
 
-from remat import RecomputeError, remat
+from remat import RecomputeError, policies, remat
 from tests.helpers import another_thread_alive
 
 F = torch.nn.functional
@@ -43,6 +43,18 @@ def _rand_like_of_a_skipped_value(x):
     # Under a per-op policy nothing saves x.neg(): the recompute skips it, and rand_like
     # reads only its layout.
     return (torch.rand_like(x.neg()) + 1) * x
+
+
+def _kept_rand_like_then_another_draw(x):
+    # A policy may keep rand_like's output (it is decided like other ops): the recompute
+    # must still leave its draw out (or make it), so that rand draws the forward's numbers.
+    return (x * torch.rand_like(x)).sin() * torch.rand(x.shape, dtype=x.dtype)
+
+
+def _skipped_rand_like_then_another_draw(x):
+    # Keeping the sum spares rand_like: the recompute skips it, and rand draws after it.
+    noise = torch.rand_like(x.neg()) + 1
+    return (noise * x).sin() * torch.rand(x.shape, dtype=x.dtype)
 
 
 def _rand_on_a_skipped_values_device(x):
@@ -91,6 +103,8 @@ RANDOM_FUNCTIONS = [
     _randn_like,
     _rand_like,
     _rand_like_of_a_skipped_value,
+    _kept_rand_like_then_another_draw,
+    _skipped_rand_like_then_another_draw,
     _rand_on_a_skipped_values_device,
     _randint,
     _randint_like,
@@ -132,7 +146,20 @@ def _assert_same(a, b):
             assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "save_everything"])
+# save_ops keeps what random ops made (rand_like's output, the sum after it), so the
+# recompute does not run them; memory_budget chooses what to keep.
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "save_nothing",
+        "save_matmuls",
+        "save_everything",
+        policies.save_ops(torch.ops.aten.rand_like, torch.ops.aten.add),
+        policies.memory_budget(0.5),
+    ],
+    # (a frozenset's repr has its own order in each process: test ids must not)
+    ids=["save_nothing", "save_matmuls", "save_everything", "save_ops", "memory_budget"],
+)
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
 def test_eager_random_ops_replay_bitwise(f, policy):
     """Outputs, grads, numbers drawn between forward and backward, final states: as plain."""
