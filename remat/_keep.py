@@ -462,7 +462,10 @@ class Keeper:
         """
         if self.costs is not None:
             self.costs.append(self._cost(OpCall(func, args, kwargs, out)) if decided else 0.0)
-            return decided
+            # Not what a ``*_like`` factory made from a tensor that needs grad: autograd
+            # detaches such an output if something else holds it when the op returns, so
+            # keeping it here adds an op that the planned forwards lack.
+            return decided and op_info(func).kind != _READS_METADATA
         plan = self.plan
         if plan is None:
             return False
@@ -823,8 +826,8 @@ class Replayer:
                 out = keeper.chain_value(end)
             else:
                 out = args[0]
-                if op.random:  # its draw goes to scratch memory, not the kept value
-                    self._pass(op, (torch.empty_like(out), *args[1:]), kwargs, run, passed)
+                if op.random:
+                    self._pass(op, args, kwargs, run, passed, in_place=True)
         elif (
             index is not None
             and index in keeper.kept
@@ -838,6 +841,11 @@ class Replayer:
             out = self._placeholder(keeper.skip[index])
             if op.random:
                 self._pass(op, args, kwargs, run, passed)
+        elif op.transparent and self.placeholders and self._reads_placeholder(args):
+            # A detach the forward did not run, of a skipped value: autograd adds one after
+            # a ``*_like`` op whose output something else holds, as a placeholder is.
+            out = args[0].detach()
+            self.placeholders[id(out)] = (out, self.placeholders[id(args[0])][1])
         else:
             if self.placeholders and self._reads_placeholder((args, kwargs)):
                 if op.kind != _READS_METADATA:
@@ -863,13 +871,17 @@ class Replayer:
         kwargs: Any,
         run: Callable[[Op, Any, Any], Any],
         passed: Callable[[Op, Any, Any], bool],
+        in_place: bool = False,
     ) -> None:
         """A random op the recompute does not run: leave its draw out (``passed``), or
-        where the replay cannot, draw and drop the numbers. Either way later random ops
-        draw what the forward's did."""
+        where the replay cannot, draw and drop the numbers (an in-place one into scratch
+        memory, not its argument). Either way later random ops draw what the forward's
+        did."""
         if self.placeholders:
             args, kwargs = self._real_layouts((args, kwargs))
         if not passed(op, args, kwargs):
+            if in_place:
+                args = (torch.empty_like(args[0]), *args[1:])
             run(op, args, kwargs)
 
     def _made_fresh(self, op: Op, args: Any, out: Any) -> None:
