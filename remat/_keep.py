@@ -764,6 +764,12 @@ def _hashable(signature: Any) -> Any:
     return signature
 
 
+# `OpMode`'s callbacks: run an op (random ones under RNG replay); leave a random op's draw
+# out, if the replay can.
+_Run = Callable[[Op, Any, Any], Any]
+_Passed = Callable[[Op, Any, Any], bool]
+
+
 class Replayer:
     """The recompute side: matches each op to the forward's, then replays, skips or runs it.
 
@@ -795,14 +801,7 @@ class Replayer:
         # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
         self.fresh: dict[int, weakref.ref[Any]] = {}
 
-    def call(
-        self,
-        op: Op,
-        args: Any,
-        kwargs: Any,
-        run: Callable[[Op, Any, Any], Any],
-        passed: Callable[[Op, Any, Any], bool],
-    ) -> Any:
+    def call(self, op: Op, args: Any, kwargs: Any, run: _Run, passed: _Passed) -> Any:
         """One op of the recompute: its kept value, a placeholder, or what ``run`` returns.
 
         A step of a kept chain returns its argument, whose memory holds the chain's end
@@ -865,13 +864,7 @@ class Replayer:
         return out
 
     def _pass(
-        self,
-        op: Op,
-        args: Any,
-        kwargs: Any,
-        run: Callable[[Op, Any, Any], Any],
-        passed: Callable[[Op, Any, Any], bool],
-        in_place: bool = False,
+        self, op: Op, args: Any, kwargs: Any, run: _Run, passed: _Passed, in_place: bool = False
     ) -> None:
         """A random op the recompute does not run: leave its draw out (``passed``), or
         where the replay cannot, draw and drop the numbers (an in-place one into scratch
