@@ -4,7 +4,8 @@ Forward (`Keeper`): every aten op of the region gets an index and a signature: t
 op, its non-tensor arguments, and for each tensor argument where it came from (an
 earlier op's output at some in-place version, a region input by position, or a
 tensor from outside by identity). The policy decides for each op's outputs (random,
-in-place and view ops always run). When the forward ends, the ops the recompute
+in-place and view ops always run; `memory_budget` may keep the end of an in-place
+chain, `Keeper._chains`). When the forward ends, the ops the recompute
 needs are found backwards from the values autograd saved, stopping at kept ops:
 those kept values are held, every other one is released, and unneeded ops are
 marked to be skipped.
@@ -15,7 +16,8 @@ replayed from a kept value or skipped; an unmatched op runs for real, and after 
 unmatched op that writes in place nothing more is matched. A skipped op returns
 ``meta`` tensors, which hold no data: reading one outside aten (``.tolist()``,
 ``.numpy()``) fails, as does any op that really runs on one, and the recompute then
-starts again without skipping (`Restart`).
+starts again without skipping (`Restart`). A random op that is replayed or skipped
+still leaves the next random op the forward's numbers (`Replayer._pass`).
 """
 
 from __future__ import annotations
@@ -416,7 +418,7 @@ class Keeper:
         self.layouts.append(layout)
         decided = (kind in (_DECIDED, _READS_METADATA) or step) and layout is not None
         if self.budget is not None:
-            decided = self._budgeted(index, func, args, kwargs, out, decided)
+            decided = self._budgeted(index, op, args, kwargs, out, decided)
         if kind == _ALWAYS_RUNS or layout is None:
             self.roots.append(index)
             if not (step and decided):
@@ -454,22 +456,22 @@ class Keeper:
         return True
 
     def _budgeted(
-        self, index: int, func: Any, args: Any, kwargs: Any, out: Any, decided: bool
+        self, index: int, op: Op, args: Any, kwargs: Any, out: Any, decided: bool
     ) -> bool:
         """Whether `memory_budget` may keep op ``index``: while it plans, any op it may
         choose (its cost is noted); then the ops its plan keeps, while the forward runs
         the planned ops (one that does not keeps nothing, and the next call plans again).
         """
         if self.costs is not None:
-            self.costs.append(self._cost(OpCall(func, args, kwargs, out)) if decided else 0.0)
+            self.costs.append(self._cost(OpCall(op.func, args, kwargs, out)) if decided else 0.0)
             # Not what a ``*_like`` factory made from a tensor that needs grad: autograd
             # detaches such an output if something else holds it when the op returns, so
             # keeping it here adds an op that the planned forwards lack.
-            return decided and op_info(func).kind != _READS_METADATA
+            return decided and op.kind != _READS_METADATA
         plan = self.plan
         if plan is None:
             return False
-        if not plan.fits(index, func, self.layouts[index], self.deps[index]):
+        if not plan.fits(index, op.func, self.layouts[index], self.deps[index]):
             self._abandon()
             return False
         return index in plan.keep
