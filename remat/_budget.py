@@ -148,25 +148,20 @@ def _greedy(
     def per_byte(c: int, value: float) -> float:
         return value / max(candidates[c], 1)
 
-    # Losses per byte when last evaluated: they change as others go, so the cheapest is
-    # found by evaluating candidates in this order until the next one's key exceeds the
-    # best found (a key that counts fewer bytes is no smaller).
+    def loss(c: int) -> tuple[float, float, float]:
+        lost = cost(kept - {c}) - base
+        freed = min(candidates[c], held - step * plain // _STEPS) if need else candidates[c]
+        return lost / max(freed, 1), per_byte(c, lost), lost
+
     heap = [(per_byte(c, cost(kept - {c}) - base), c) for c in candidates]
     heapq.heapify(heap)
     sets = []
     for step in range(_STEPS, -1, -1):
         dropped = []
         while held * _STEPS > step * plain:
-            seen: list[tuple[float, int, float]] = []
-            while heap and (not seen or heap[0][0] < min(seen)[0]):
-                _, c = heapq.heappop(heap)
-                lost = cost(kept - {c}) - base
-                freed = min(candidates[c], held - step * plain // _STEPS) if need else candidates[c]
-                seen.append((lost / max(freed, 1), c, lost))
-            _, c, lost = min(seen)
-            for _, other, value in seen:
-                if other != c:
-                    heapq.heappush(heap, (per_byte(other, value), other))
+            best = _pop_best(heap, loss)
+            assert best is not None  # what is held is in the heap
+            c, lost = best
             kept -= {c}
             held -= candidates[c]
             base += lost
@@ -187,31 +182,32 @@ def _growing(
 ) -> list[frozenset[int]]:
     """Step -> the set a greedy ranking keeps there, from the bottom up: each step starts
     from the set kept one step down and adds, while one fits and spares any recompute cost,
-    the candidate that spares the most per byte (evaluated lazily, as in `_greedy`)."""
+    the candidate that spares the most per byte (found lazily, `_pop_best`)."""
     kept: frozenset[int] = frozenset()
     held = 0
     base = cost(kept)
+
+    def spares(c: int) -> tuple[float, float, float] | None:
+        if (held + candidates[c]) * _STEPS > limit:
+            return None  # too large for this step
+        spared = base - cost(kept | {c})
+        key = -spared / max(candidates[c], 1)
+        return key, key, spared
+
     heap = [(-(base - cost(frozenset({c}))) / max(n, 1), c) for c, n in candidates.items()]
     heapq.heapify(heap)
     sets = []
     for step in range(_STEPS + 1):
-        waiting = []  # too large for this step, or sparing nothing now
+        limit = step * plain  # in bytes times _STEPS
+        waiting: list[tuple[float, int]] = []  # too large for this step
         while True:
-            seen: list[tuple[float, int, float]] = []
-            while heap and (not seen or heap[0][0] < min(seen)[0]):
-                key, c = heapq.heappop(heap)
-                if (held + candidates[c]) * _STEPS > step * plain:
-                    waiting.append((key, c))
-                    continue
-                gain = base - cost(kept | {c})
-                seen.append((-gain / max(candidates[c], 1), c, gain))
-            _, c, gain = min(seen, default=(0.0, 0, 0.0))
-            if gain <= 0:  # nothing that fits spares anything now
-                waiting.extend((key, other) for key, other, _ in seen)
+            best = _pop_best(heap, spares, waiting)
+            if best is None:
                 break
-            for key, other, _ in seen:
-                if other != c:
-                    heapq.heappush(heap, (key, other))
+            c, gain = best
+            if gain <= 0:  # nothing that fits spares anything now
+                waiting.append((-gain / max(candidates[c], 1), c))
+                break
             kept |= {c}
             held += candidates[c]
             base -= gain
@@ -219,6 +215,40 @@ def _growing(
         heapq.heapify(heap)
         sets.append(kept)
     return sets
+
+
+def _pop_best(
+    heap: list[tuple[float, int]],
+    fresh: Callable[[int], tuple[float, float, float] | None],
+    aside: list[tuple[float, int]] | None = None,
+) -> tuple[int, float] | None:
+    """Pop the candidate of ``heap`` whose rank is least now, and its value.
+
+    The heap holds keys as last evaluated; values change as others are kept or dropped.
+    ``fresh(c)`` gives ``c``'s rank, key and value now, or None to set ``c`` into ``aside``.
+    Candidates are evaluated in key order until the next key exceeds the best rank found
+    (a rank is no less than the key while values do not shrink); the others go back
+    with fresh keys.
+    """
+    best: tuple[float, int, float] | None = None
+    seen = []
+    while heap and (best is None or heap[0][0] < best[0]):
+        stored, c = heapq.heappop(heap)
+        found = fresh(c)
+        if found is None:
+            assert aside is not None
+            aside.append((stored, c))
+            continue
+        rank, key, value = found
+        seen.append((key, c))
+        if best is None or (rank, c) < best[:2]:
+            best = (rank, c, value)
+    if best is None:
+        return None
+    for key, c in seen:
+        if c != best[1]:
+            heapq.heappush(heap, (key, c))
+    return best[1], best[2]
 
 
 def _nested(
