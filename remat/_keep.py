@@ -938,8 +938,15 @@ class Replayer:
             self.provenance.alias(_torch_private.unwrap_all(value), self.last[0])
 
     def stand_in(self, copy: torch.Tensor, original: torch.Tensor, version: int) -> None:
-        """``copy`` is what the forward read as ``original`` at ``version``."""
-        self.provenance.alias(copy, ("outside", id(original), version))
+        """``copy`` is what the forward read as ``original`` at ``version``.
+
+        The ops see them as plain tensors, below any torch.func wrappers (a module's
+        buffers are wrapped when ``functional_call`` passes them under a transform); a
+        wrapper counts versions of its own, which move with the plain tensor's.
+        """
+        inner = _torch_private.unwrap_all(original)
+        version += inner._version - original._version
+        self.provenance.alias(_torch_private.unwrap_all(copy), ("outside", id(inner), version))
 
     def _match(self, signature: Any) -> int | None:
         try:

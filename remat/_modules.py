@@ -1,8 +1,9 @@
 """Module state a region reads by reference, as its recompute must see it.
 
-A region finds the modules ``fn`` can reach (``fn`` itself, ``self`` of a bound
-method, ``functools.partial`` arguments, closures, module arguments, at any depth)
-and records, for each parameter and buffer slot, the tensor it held at entry.
+A region finds the modules ``fn`` can reach (`reachable`: ``fn`` itself, ``self`` of
+a bound method, partials, closures, defaults, named globals, module arguments, and the
+containers holding them, at any depth) and records, for each parameter and buffer
+slot, the tensor it held at entry.
 
 - ``torch.func.functional_call`` swaps tensors into the slots only for the call,
   but the recompute runs later: the recompute puts the forward's tensor back.
@@ -30,9 +31,11 @@ and records, for each parameter and buffer slot, the tensor it held at entry.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -43,7 +46,7 @@ from torch import nn
 from . import _torch_private
 from ._errors import RecomputeError, changed_since_forward
 
-__all__ = ["ModuleState", "reachable_modules"]
+__all__ = ["ModuleState", "Reached", "reachable"]
 
 # Per module (or what learns about a region's inputs, see `_owner`) and training flag:
 # names of its tensors some region's forward updated in place. By flag, as batch
@@ -72,32 +75,68 @@ def _fsdp_types() -> tuple[type | None, type | None]:
     return getattr(fsdp, "FSDPModule", None), getattr(tensor, "DTensor", None)
 
 
-def reachable_modules(fn: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
-    """Modules ``fn`` can reach: itself, bound ``self``, partials, closures, arguments."""
-    found: list[nn.Module] = []
+class Reached(NamedTuple):
+    modules: list[nn.Module]
+    generators: list[torch.Generator]
+
+
+def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
+    """The modules and explicit generators ``fn`` can reach, at any depth.
+
+    From ``fn`` and the argument leaves, through bound ``self``, partials, closure cells,
+    defaults, the globals a function's code names, the functions these lead to, and the
+    lists, tuples, dicts and sets holding any of them (as ``checkpoint_sequential`` and
+    timm's ``checkpoint_seq`` pass modules). A module's submodules are its own business
+    (``modules()``); other objects' attributes are searched only for the object a method is
+    bound to or that is called.
+    """
+    reached = Reached([], [])
     seen: set[int] = set()
     stack: list[Any] = [fn, *leaves]
     while stack:
         obj = stack.pop()
-        if id(obj) in seen:
+        kind = type(obj)
+        if kind in _ATOMS or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, nn.Module):
-            found.append(obj)
+        if kind is torch.Generator:  # isinstance goes through a slow metaclass
+            reached.generators.append(obj)
+        elif isinstance(obj, nn.Module):
+            reached.modules.append(obj)
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
         elif isinstance(obj, functools.partial):
             stack.extend([obj.func, *obj.args, *obj.keywords.values()])
-        elif callable(obj):
+        elif callable(obj) and not isinstance(obj, (type, torch.Tensor)):
             stack.extend(_callable_parts(obj))
-    return found
+    return reached
+
+
+# Leaves that hold nothing to find: skipped first (most arguments are these).
+_ATOMS = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, bytes, type(None)})
 
 
 def _callable_parts(fn: Any) -> list[Any]:
-    parts = [getattr(fn, "__self__", None), getattr(fn, "__func__", None)]
-    parts.append(getattr(fn, "__wrapped__", None))
-    for cell in getattr(fn, "__closure__", None) or ():
+    """What a callable reaches: a method's function and object, a function's closure,
+    defaults and named globals, a callable object's attributes."""
+    if isinstance(fn, types.MethodType):
+        return [fn.__func__, fn.__self__, *_attributes(fn.__self__)]
+    if not isinstance(fn, types.FunctionType):
+        return _attributes(fn)
+    parts: list[Any] = [getattr(fn, "__wrapped__", None), fn.__defaults__, fn.__kwdefaults__]
+    for cell in fn.__closure__ or ():
         with contextlib.suppress(ValueError):  # an empty cell
             parts.append(cell.cell_contents)
-    return [p for p in parts if p is not None and not isinstance(p, type)]
+    scope = fn.__globals__
+    parts.extend(scope[name] for name in fn.__code__.co_names if name in scope)
+    return [p for p in parts if not isinstance(p, (type, types.ModuleType))]
+
+
+def _attributes(obj: Any) -> list[Any]:
+    attributes = None if isinstance(obj, nn.Module) else getattr(obj, "__dict__", None)
+    return [attributes] if isinstance(attributes, dict) else []
 
 
 def _owner(fn: Callable[..., Any]) -> Any:
@@ -164,9 +203,8 @@ class ModuleState:
 
     @classmethod
     def capture(
-        cls, fn: Callable[..., Any], leaves: list[Any], inputs: list[torch.Tensor]
+        cls, fn: Callable[..., Any], modules: list[nn.Module], inputs: list[torch.Tensor]
     ) -> ModuleState | None:
-        modules = reachable_modules(fn, leaves)
         slots: list[_Slot] = []
         snapshots: dict[int, torch.Tensor] = {}
         owner = _owner(fn)

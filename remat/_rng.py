@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
 
-__all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "threaded", "visible_generators"]
+__all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "threaded"]
 
 _local = threading.local()
 # Held while a region's random op draws: regions in other threads wait, not interleave.
@@ -131,40 +131,6 @@ def _replaying(generator: torch.Generator) -> tuple[RngReplay, torch.Generator] 
         if clone is not None:
             return replay, clone
     return None
-
-
-def visible_generators(fn: Any, leaves: list[Any], extra: list[Any]) -> list[torch.Generator]:
-    """Explicit generators a region can see.
-
-    Those in its arguments, ``extra`` ones (attributes of the modules it sees), and
-    those in the closures and named globals of ``fn`` and of the functions these
-    lead to, three calls deep.
-    """
-    found = [g for g in [*leaves, *extra] if isinstance(g, torch.Generator)]
-    functions, visited = [fn], set()
-    for _ in range(3):
-        reached: list[Any] = []
-        for function in functions:
-            func = getattr(function, "__func__", function)
-            code = getattr(func, "__code__", None)
-            if code is None or id(func) in visited:
-                continue
-            visited.add(id(func))
-            scope = func.__globals__
-            values = [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
-            values.extend(scope[name] for name in code.co_names if name in scope)
-            found.extend(v for v in values if isinstance(v, torch.Generator))
-            reached.extend(v for v in values if hasattr(v, "__code__") or hasattr(v, "__func__"))
-        functions = reached
-    return found
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
 
 
 def _default_generators() -> list[torch.Generator]:

@@ -12,9 +12,8 @@ import torch
 from . import _torch_private
 from ._compiled import traced
 from ._engine import Region, running_region
-from ._modules import ModuleState
+from ._modules import ModuleState, reachable
 from ._policies import OpCall, Policy, resolve
-from ._rng import visible_generators
 
 __all__ = ["name", "remat"]
 
@@ -136,11 +135,12 @@ def remat(
             namespace=namespace,
         )
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        modules = ModuleState.capture(fn, leaves, inputs)
+        reached = reachable(fn, leaves)
+        modules = ModuleState.capture(fn, reached.modules, inputs)
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []
-            generators = visible_generators(fn, leaves, extra)
+            generators = [*reached.generators, *extra]
         region = Region(
             fn,
             (args, kwargs),

@@ -343,6 +343,23 @@ def test_generator_remat_cannot_see_raises_instead_of_drawing_other_numbers():
         _hidden_run("save_nothing")
 
 
+def test_generator_in_a_container_of_a_closure_replays():
+    """A generator held in a dict in a closure is seen, captured and replayed bitwise."""
+
+    def run(wrap):
+        generators = {"noise": torch.Generator().manual_seed(5)}
+
+        def noisy(x):
+            noise = torch.rand(x.shape, dtype=x.dtype, generator=generators["noise"])
+            return (x * noise).sin()
+
+        x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        wrap(noisy)(x).sum().backward()
+        return x.grad, generators["noise"].get_state()
+
+    _assert_same(run(lambda f: f), run(remat))
+
+
 def test_generator_out_of_sight_is_captured_under_a_per_op_policy():
     """Under a per-op policy's dispatch mode every generator a random op uses is captured."""
     _assert_same(_hidden_run(None), _hidden_run("save_matmuls"))
