@@ -307,3 +307,37 @@ def test_report_of_a_failed_install_fails_and_says_what_did_not_run(tmp_path: Pa
     assert text.startswith("# make gpu-check: FAIL\n")
     assert "| install the carried wheels | exit status 1 |" in text
     assert "Stopped after install the carried wheels: 4 checks not run.\n" in text
+
+
+DETERMINISM_PROBE = """
+import os
+import pytest
+import torch
+
+@pytest.mark.cuda
+def test_marked():
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+def test_unmarked():
+    assert not torch.are_deterministic_algorithms_enabled()
+"""
+
+
+def test_cuda_tests_run_with_deterministic_algorithms(tmp_path: Path) -> None:
+    """tests/conftest.py runs each cuda-marked test, and only those, under deterministic
+    algorithms, with cuBLAS's deterministic workspace set (what a GPU run needs to be bitwise)."""
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_probe.py").write_text(DETERMINISM_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    done = subprocess.run(
+        [*command, "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
