@@ -50,16 +50,9 @@ LEFT_OUT = {
     "tests/test_package.py": "the release checks: twine is not there, and remat installed "
     "on PYTHONPATH would shadow the wheel under test",
 }
-# The GPU image's Python and platform, for `make gpu-wheels`.
-WHEEL_PLATFORM = [
-    "--python-version",
-    "3.12",
-    "--implementation",
-    "cp",
-    *("--platform", "manylinux_2_28_x86_64"),
-    *("--platform", "manylinux_2_17_x86_64"),
-    *("--platform", "manylinux2014_x86_64"),
-]
+# The GPU image's Python and platforms, for `make gpu-wheels`.
+WHEEL_PYTHON = "3.12"
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # Run by the Python under test: what its torch is, and whether it sees the GPU.
 PROBE = """\
 import json, torch
@@ -94,17 +87,10 @@ def pins(names: Sequence[str] = CARRIED) -> list[str]:
 
 def download_command(python: str, folder: Path) -> list[str]:
     """The pip command that fetches `CARRIED`'s wheels for the GPU image into ``folder``."""
-    return [
-        python,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        *WHEEL_PLATFORM,
-        *("--dest", str(folder)),
-        *pins(),
-    ]
+    pip = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    target = ["--python-version", WHEEL_PYTHON, "--implementation", "cp"]
+    target += [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
+    return [*pip, *target, "--dest", str(folder), *pins()]
 
 
 def carried_wheels(folder: Path) -> list[Path]:
@@ -129,7 +115,7 @@ def carried_wheels(folder: Path) -> list[Path]:
 def torch_range() -> str:
     """The torch requirement of remat's ``pyproject.toml``, such as ``>=2.10``."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    (spec,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
+    (spec,) = [d for d in project["dependencies"] if re.match(r"torch(?![\w.-])", d)]
     return spec.removeprefix("torch").strip()
 
 
