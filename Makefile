@@ -38,7 +38,8 @@ fuzz: $(PKG)
 	REMAT_FUZZ=$${REMAT_FUZZ:-10} $(BIN)/pytest -n 2 -p no:cacheprovider tests/test_equivalence.py \
 		tests/test_policy_equivalence.py tests/test_func.py
 
-# The benchmark suite (about 18 minutes on 2 cores); results land in the docs.
+# The benchmark suite (about 18 minutes on 2 cores); results land in the docs. make gpu-check
+# runs the same module with the GPU machine's Python (tools/gpu_check.py).
 BENCH_OUT ?= docs/benchmarks
 bench: $(PKG)
 	$(BIN)/python -m benchmarks.suite --out $(BENCH_OUT)
@@ -47,17 +48,26 @@ bench: $(PKG)
 docs: $(PKG)
 	MKDOCS_JUPYTER_CACHE=true $(BIN)/mkdocs serve
 
-# The checks that need an NVIDIA GPU (tools/gpu_check.py): report and logs in
-# GPU_CHECK_OUT. Without a GPU it says so and exits 0, before any set-up.
+# The checks that need an NVIDIA GPU (tools/gpu_check.py), with that machine's own Python and
+# CUDA torch: the whole test suite, the CUDA tests among it, and the bench; report and logs in
+# GPU_CHECK_OUT. It installs from GPU_WHEELS only, never from an index (such machines have no
+# network). Without a GPU it says so and exits 0, before any set-up.
 GPU_CHECK_OUT ?= build/gpu-check
+GPU_WHEELS ?= .whl
 gpu-check:
 	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
-		$(MAKE) $(PKG) && $(BIN)/python tools/gpu_check.py --out $(GPU_CHECK_OUT) --make "$(MAKE)"; \
+		$(PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --wheels $(GPU_WHEELS); \
 	else \
 		echo "make gpu-check: skipped: no NVIDIA GPU on this machine (nvidia-smi -L lists none)."; \
-		echo "With one, it runs the CUDA tests, the offload and RNG tests and make bench"; \
+		echo "With one, it runs the whole test suite (the CUDA tests among it) and the bench"; \
 		echo "(memory from the CUDA allocator), and writes $(GPU_CHECK_OUT)/gpu-check-report.md."; \
 	fi
+
+# On a machine with network: the wheels make gpu-check installs (versions from
+# requirements-dev.txt), for the GPU image's Python 3.12 on x86-64 Linux, into GPU_WHEELS.
+.PHONY: gpu-wheels
+gpu-wheels:
+	$(PYTHON) tools/gpu_check.py --download --wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache .hypothesis

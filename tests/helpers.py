@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import settings
@@ -52,6 +53,13 @@ def another_thread_alive() -> Any:
 
 DTYPE = torch.float64
 NAMESPACE = "remat-tests"
+# The devices the corpora run on (tests take them with `each_device`). A CUDA one is a CUDA
+# test: make gpu-check runs it, and none may skip; conftest.py makes it deterministic.
+DEVICES = [
+    pytest.param("cpu"),
+    *([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []),
+]
+each_device = pytest.mark.parametrize("device", DEVICES)
 
 
 def identity(x: Any) -> Any:
@@ -102,7 +110,7 @@ GRAD_KINDS = ("leaf", "const", "derived")
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """A recipe for a float64 CPU tensor.
+    """A recipe for a float64 tensor, the same numbers on every device.
 
     ``grad`` is ``"leaf"`` (a leaf that requires grad), ``"const"`` (no grad) or ``"derived"``
     (a non-leaf computed from a leaf that requires grad; that leaf is the gradient target).
@@ -112,9 +120,9 @@ class TensorSpec:
     seed: int
     grad: str = "leaf"
 
-    def make(self, targets: list[torch.Tensor]) -> torch.Tensor:
+    def make(self, targets: list[torch.Tensor], device: str = "cpu") -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed)
-        t = torch.randn(self.shape, generator=generator, dtype=DTYPE)
+        t = torch.randn(self.shape, generator=generator, dtype=DTYPE).to(device)
         if self.grad == "const":
             return t
         t.requires_grad_()
@@ -122,11 +130,11 @@ class TensorSpec:
         return t if self.grad == "leaf" else t * 1.5
 
 
-def realize(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+def realize(tree: Any, device: str = "cpu") -> tuple[Any, list[torch.Tensor]]:
     """Fresh tensors for every `TensorSpec` in ``tree``, and the leaves gradients must reach."""
     targets: list[torch.Tensor] = []
     made = optree.tree_map(
-        lambda leaf: leaf.make(targets) if isinstance(leaf, TensorSpec) else leaf,
+        lambda leaf: leaf.make(targets, device) if isinstance(leaf, TensorSpec) else leaf,
         tree,
         namespace=NAMESPACE,
     )
@@ -316,10 +324,10 @@ class Params(NamedTuple):
         return [self.w, self.gamma, self.beta]
 
 
-def make_params(n: int, seed: int) -> Params:
+def make_params(n: int, seed: int, device: str = "cpu") -> Params:
     generator = torch.Generator().manual_seed(seed)
-    w, c = (torch.randn(n, n, generator=generator, dtype=DTYPE) for _ in range(2))
-    gamma, beta = (torch.randn(n, generator=generator, dtype=DTYPE) for _ in range(2))
+    w, c = (torch.randn(n, n, generator=generator, dtype=DTYPE).to(device) for _ in range(2))
+    gamma, beta = (torch.randn(n, generator=generator, dtype=DTYPE).to(device) for _ in range(2))
     return Params(
         w.requires_grad_(),
         c,
@@ -328,7 +336,7 @@ def make_params(n: int, seed: int) -> Params:
         {},
         [],
         torch.nn.ModuleList(),
-        torch.Generator().manual_seed(seed + 1),
+        torch.Generator(device).manual_seed(seed + 1),
     )
 
 
@@ -392,7 +400,8 @@ def _tolist_branch(a: torch.Tensor, read: str) -> torch.Tensor:
     if read == "item":
         first = (a + 1).sum().item()
     elif read == "numpy":
-        first = float((a + 1).detach().numpy().flat[0])
+        t = (a + 1).detach()
+        first = float((t.cpu() if t.is_cuda else t).numpy().flat[0])
     else:
         first = (a + 1).tolist()
         while isinstance(first, list):
@@ -414,7 +423,7 @@ def _cached(a: torch.Tensor, how: str, p: Params) -> torch.Tensor:
     mask = p.cache.get("mask")
     if mask is None:  # the first call builds it; every later call (and recompute) reuses it
         n = a.shape[-1]
-        mask = p.cache["mask"] = torch.ones(n, n, dtype=a.dtype).tril()
+        mask = p.cache["mask"] = torch.ones(n, n, dtype=a.dtype, device=a.device).tril()
     return a.masked_fill(mask == 0, 0.0) if how == "masked_fill" else a * mask
 
 
@@ -447,11 +456,12 @@ def _random(a: torch.Tensor, source: str, p: Params) -> torch.Tensor:
         return torch.empty_like(a).bernoulli_(0.5) * a
     if source == "uniform_":
         return torch.empty_like(a).uniform_(-1, 1) * a
-    if source == "randn":  # a factory: no tensor argument at all
-        return torch.randn(a.shape, dtype=a.dtype) * a
+    if source == "randn":  # a factory: no tensor argument at all (the CPU generator's)
+        return torch.randn(a.shape, dtype=a.dtype).to(a.device) * a
     if source == "rand_on":  # a factory on the device of a.neg()
         return (torch.rand(a.shape, dtype=a.dtype, device=a.neg().device) + 1) * a
-    return torch.rand(a.shape, dtype=a.dtype, generator=p.generator) * a  # not the global one
+    g = p.generator  # not the global one
+    return torch.rand(a.shape, dtype=a.dtype, device=g.device, generator=g) * a
 
 
 def _inplace_input(a: torch.Tensor, param: tuple[bool, str], p: Params) -> torch.Tensor:
@@ -542,21 +552,21 @@ def _outputs(out: str, pool: list[torch.Tensor], args: Any, kwargs: Any) -> Any:
 
 
 def build(
-    program: Program, wrap: Callable[..., Any] = identity
+    program: Program, wrap: Callable[..., Any] = identity, device: str = "cpu"
 ) -> tuple[Callable[..., Any], list[torch.Tensor]]:
     """A fresh callable for ``program``, and its closure tensors that require grad.
 
     ``wrap`` is applied to every `Block` (pass `remat` for nested regions).
     """
-    fn, params = build_with_params(program, wrap)
+    fn, params = build_with_params(program, wrap, device)
     return fn, params.trainable
 
 
 def build_with_params(
-    program: Program, wrap: Callable[..., Any] = identity
+    program: Program, wrap: Callable[..., Any] = identity, device: str = "cpu"
 ) -> tuple[Callable[..., Any], Params]:
     """`build`, with the whole closure: buffer_update's buffers and the program's generator too."""
-    params = make_params(program.n, program.seed)
+    params = make_params(program.n, program.seed, device)
     steps = _compile(program.ops, params, wrap)
     holders = params.holders  # modules `fn` reaches by closure, as a model's
     # fn and blocks name the program's generator, as a model would: remat captures only the
@@ -723,11 +733,14 @@ class Case:
     program: Program
 
     def make(
-        self, outer: Callable[..., Any] = identity, inner: Callable[..., Any] = identity
+        self,
+        outer: Callable[..., Any] = identity,
+        inner: Callable[..., Any] = identity,
+        device: str = "cpu",
     ) -> Instance:
         """``outer`` wraps the whole program, ``inner`` each of its blocks."""
-        (args, kwargs), targets = realize((self.args, self.kwargs))
-        fn, params = build_with_params(self.program, inner)
+        (args, kwargs), targets = realize((self.args, self.kwargs), device)
+        fn, params = build_with_params(self.program, inner, device)
         return Instance(
             outer(fn), args, kwargs, targets + params.trainable, params.buffers, [params.generator]
         )
@@ -880,10 +893,17 @@ RNG_SEED = 0
 def from_seed(
     run: Callable[[], Any], generators: Sequence[torch.Generator] = ()
 ) -> tuple[Any, list[torch.Tensor]]:
-    """``run()`` from the global generator seeded with `RNG_SEED`, then every generator's state."""
+    """``run()`` from the global generators seeded with `RNG_SEED`, then every generator's
+    state (the default CUDA generator's too, where there is one)."""
     torch.manual_seed(RNG_SEED)
     result = run()
-    return result, [torch.get_rng_state(), *(g.get_state() for g in generators)]
+    return result, [*global_rng_states(), *(g.get_state() for g in generators)]
+
+
+def global_rng_states() -> list[torch.Tensor]:
+    """The states of the default CPU generator and, where CUDA is, the current device's."""
+    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
+    return [torch.get_rng_state(), *cuda]
 
 
 def _seeded(run: Callable[[Instance], tuple[Any, ...]]) -> Callable[[Instance], tuple[Any, ...]]:
@@ -1046,7 +1066,7 @@ def run_stack(
 
     ``inner`` wraps each block.
     """
-    fn, params = build_with_params(program, inner)
+    fn, params = build_with_params(program, inner, x.device.type)
     region = outer(fn)
     transformed = STACKS[stack](lambda x: scalar_of(region(x)))
     return from_seed(lambda: transformed(x), [params.generator])

@@ -1,4 +1,5 @@
-"""Equivalence: `remat(fn)` computes bitwise what `fn` computes, outputs and gradients alike."""
+"""Equivalence: `remat(fn)` computes bitwise what `fn` computes, outputs and gradients alike,
+on each device of `DEVICES`."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from tests.helpers import (
     build,
     cases,
     draws_random,
+    each_device,
     examples,
     func_programs,
     identity,
@@ -54,13 +56,18 @@ RELU_ON_VIEW = Case(
 # A region's output used nonlinearly outside it: grad(grad) differs in the last bit.
 EXP_UNDER_GRAD_GRAD = Program(2, (Op("exp", (0,)),))
 NESTINGS = {"remat_in_remat": (remat, remat), "regions_in_plain_fn": (identity, remat)}
+pytestmark = each_device
 
 
 def _check(
-    case: Case, mode: str, outer: Callable[..., Any] = remat, inner: Callable[..., Any] = identity
+    case: Case,
+    mode: str,
+    device: str,
+    outer: Callable[..., Any] = remat,
+    inner: Callable[..., Any] = identity,
 ) -> None:
-    expected = EAGER_MODES[mode](case.make())
-    actual = EAGER_MODES[mode](case.make(outer, inner))
+    expected = EAGER_MODES[mode](case.make(device=device))
+    actual = EAGER_MODES[mode](case.make(outer, inner, device))
     assert_tree_equal(actual, expected)
 
 
@@ -68,44 +75,46 @@ def _check(
 @SOME
 @given(case=cases(block_depth=0))
 @example(case=RELU_ON_VIEW)
-def test_eager_modes(mode: str, case: Case) -> None:
+def test_eager_modes(device: str, mode: str, case: Case) -> None:
     """remat(fn) gives fn's outputs and gradients bitwise under each eager autograd mode."""
-    _check(case, mode)
+    _check(case, mode, device)
 
 
 @pytest.mark.parametrize("mode", ["backward", "grad_subset", "retain_graph", "create_graph"])
 @SOME
 @given(case=cases(required=("inner_grad",), block_depth=0))
-def test_autograd_grad_inside_fn(mode: str, case: Case) -> None:
+def test_autograd_grad_inside_fn(device: str, mode: str, case: Case) -> None:
     """A fn that calls torch.autograd.grad on its own intermediates is matched by remat(fn)."""
-    _check(case, mode)
+    _check(case, mode, device)
 
 
 @pytest.mark.parametrize("nesting", NESTINGS)
 @pytest.mark.parametrize("mode", MODES)
 @FEW
 @given(case=cases(required=("block", "block")))
-def test_nested_remat(mode: str, nesting: str, case: Case) -> None:
+def test_nested_remat(device: str, mode: str, nesting: str, case: Case) -> None:
     """Regions inside regions, or several inside a plain fn, match fn with no region at all."""
     outer, inner = NESTINGS[nesting]
-    _check(case, mode, outer, inner)
+    _check(case, mode, device, outer, inner)
 
 
 @pytest.mark.parametrize("nesting", NESTINGS)
 @FEW
 @given(case=cases(required=("block", "inner_grad")), mode=st.sampled_from(MODES))
-def test_nested_remat_with_another_thread_alive(mode: str, nesting: str, case: Case) -> None:
+def test_nested_remat_with_another_thread_alive(
+    device: str, mode: str, nesting: str, case: Case
+) -> None:
     """Nested regions and an inner autograd.grad, with another thread alive: fn's results."""
     outer, inner = NESTINGS[nesting]
     with another_thread_alive():
-        _check(case, mode, outer, inner)
+        _check(case, mode, device, outer, inner)
 
 
-def _reused_layer(program: Program, seed: int, wrap: Callable[..., Any]) -> Instance:
-    layer, params = build(program)
+def _reused_layer(program: Program, seed: int, wrap: Callable[..., Any], device: str) -> Instance:
+    layer, params = build(program, device=device)
     region = wrap(layer)
     x = TensorSpec((program.n, program.n), seed)
-    (x,), targets = realize((x,))
+    (x,), targets = realize((x,), device)
     return Instance(wrap(lambda x: region(region(x))), (x,), {}, targets + params)
 
 
@@ -117,10 +126,10 @@ def _reused_layer(program: Program, seed: int, wrap: Callable[..., Any]) -> Inst
     ),
     seed=st.integers(0, 2**16),
 )
-def test_one_region_called_twice(mode: str, program: Program, seed: int) -> None:
+def test_one_region_called_twice(device: str, mode: str, program: Program, seed: int) -> None:
     """One remat'd layer applied twice, inside a remat'd fn, matches the plain layer twice."""
-    expected = EAGER_MODES[mode](_reused_layer(program, seed, identity))
-    actual = EAGER_MODES[mode](_reused_layer(program, seed, remat))
+    expected = EAGER_MODES[mode](_reused_layer(program, seed, identity, device))
+    actual = EAGER_MODES[mode](_reused_layer(program, seed, remat, device))
     assert_tree_equal(actual, expected)
 
 
@@ -132,10 +141,10 @@ def _keywords(inst: Instance) -> Instance:
 @pytest.mark.parametrize("mode", ["outputs", "backward"])
 @FEW
 @given(case=cases())
-def test_keyword_arguments(mode: str, case: Case) -> None:
+def test_keyword_arguments(device: str, mode: str, case: Case) -> None:
     """Arguments passed only by keyword reach fn, and gradients reach every keyword tensor."""
-    expected = EAGER_MODES[mode](_keywords(case.make()))
-    actual = EAGER_MODES[mode](_keywords(case.make(remat, remat)))
+    expected = EAGER_MODES[mode](_keywords(case.make(device=device)))
+    actual = EAGER_MODES[mode](_keywords(case.make(remat, remat, device)))
     assert_tree_equal(actual, expected)
 
 
@@ -146,18 +155,18 @@ def _tree_fn(tree: Any, *, kw: Any) -> Any:
     return optree.tree_map(step, (tree, {"kw": kw}), namespace=NAMESPACE)
 
 
-def _tree_instance(tree: Any, kw: Any, wrap: Callable[..., Any]) -> Instance:
-    (tree, kw), targets = realize((tree, kw))
+def _tree_instance(tree: Any, kw: Any, wrap: Callable[..., Any], device: str) -> Instance:
+    (tree, kw), targets = realize((tree, kw), device)
     return Instance(wrap(_tree_fn), (tree,), {"kw": kw}, targets)
 
 
 @pytest.mark.parametrize("mode", ["outputs", "backward", "create_graph"])
 @SOME
 @given(tree=spec_trees(), kw=spec_trees())
-def test_pytrees_pass_through(mode: str, tree: Any, kw: Any) -> None:
+def test_pytrees_pass_through(device: str, mode: str, tree: Any, kw: Any) -> None:
     """Pytree arguments keep structure and non-tensor objects; every grad leaf gets its grad."""
-    expected = EAGER_MODES[mode](_tree_instance(tree, kw, identity))
-    actual = EAGER_MODES[mode](_tree_instance(tree, kw, remat))
+    expected = EAGER_MODES[mode](_tree_instance(tree, kw, identity, device))
+    actual = EAGER_MODES[mode](_tree_instance(tree, kw, remat, device))
     assert_tree_equal(actual, expected)
 
 
@@ -180,11 +189,11 @@ def _with_empty(x: torch.Tensor, empty: Any, *, also: Any = None) -> Any:
 
 @pytest.mark.parametrize("mode", ["outputs", "backward"])
 @pytest.mark.parametrize("empty", EMPTIES.values(), ids=EMPTIES.keys())
-def test_none_and_empty_containers(mode: str, empty: Any) -> None:
+def test_none_and_empty_containers(device: str, mode: str, empty: Any) -> None:
     """None and empty containers, positional or keyword, come back as they went in."""
 
     def instance(wrap: Callable[..., Any]) -> Instance:
-        (x,), targets = realize((TensorSpec((2, 3), 0),))
+        (x,), targets = realize((TensorSpec((2, 3), 0),), device)
         return Instance(wrap(_with_empty), (x, empty), {"also": empty}, targets)
 
     expected = EAGER_MODES[mode](instance(identity))
@@ -207,36 +216,36 @@ ALIASES: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] 
 
 @pytest.mark.parametrize("mode", ["backward", "create_graph"])
 @pytest.mark.parametrize("alias", ALIASES)
-def test_aliased_inputs(mode: str, alias: str) -> None:
+def test_aliased_inputs(device: str, mode: str, alias: str) -> None:
     """Arguments that are the same tensor, or views of one another, match fn."""
 
     def instance(wrap: Callable[..., Any]) -> Instance:
-        (x,), targets = realize((TensorSpec((3, 3), 1),))
+        (x,), targets = realize((TensorSpec((3, 3), 1),), device)
         return Instance(wrap(_aliased), ALIASES[alias](x), {}, targets)
 
     assert_tree_equal(EAGER_MODES[mode](instance(remat)), EAGER_MODES[mode](instance(identity)))
 
 
-def _module_instance(wrap: Callable[..., Any]) -> Instance:
+def _module_instance(wrap: Callable[..., Any], device: str) -> Instance:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(3, 3, dtype=DTYPE)
-    norm = torch.nn.LayerNorm(3, dtype=DTYPE)
-    (x,), targets = realize((TensorSpec((4, 3), 2, "const"),))
+    linear = torch.nn.Linear(3, 3, dtype=DTYPE).to(device)
+    norm = torch.nn.LayerNorm(3, dtype=DTYPE).to(device)
+    (x,), targets = realize((TensorSpec((4, 3), 2, "const"),), device)
     fn = wrap(lambda x: norm(torch.tanh(linear(x)).exp()) * linear.weight.sum())
     return Instance(fn, (x,), {}, [*targets, *linear.parameters(), *norm.parameters()])
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_closure_parameters(mode: str) -> None:
+def test_closure_parameters(device: str, mode: str) -> None:
     """Gradients reach module parameters that fn reads by closure, never passed as arguments."""
-    assert_tree_equal(
-        EAGER_MODES[mode](_module_instance(remat)), EAGER_MODES[mode](_module_instance(identity))
-    )
+    expected = EAGER_MODES[mode](_module_instance(identity, device))
+    assert_tree_equal(EAGER_MODES[mode](_module_instance(remat, device)), expected)
 
 
-def _func_input(program: Program, seed: int, batched: bool) -> torch.Tensor:
+def _func_input(program: Program, seed: int, batched: bool, device: str) -> torch.Tensor:
     shape = (2, program.n, program.n) if batched else (program.n, program.n)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=DTYPE).to(device)
 
 
 # vmap runs clamp_ and addcmul_ through its (slow but exact) fallback, and says so.
@@ -246,11 +255,13 @@ def _func_input(program: Program, seed: int, batched: bool) -> torch.Tensor:
 @SOME
 @given(program=func_programs(), seed=st.integers(0, 2**16))
 @example(program=EXP_UNDER_GRAD_GRAD, seed=0)
-def test_func_transforms(stack: str, nested: bool, program: Program, seed: int) -> None:
+def test_func_transforms(
+    device: str, stack: str, nested: bool, program: Program, seed: int
+) -> None:
     """Under every stack of `STACKS` remat(f) gives f's results bitwise; grad(grad) to
     1e-12."""
     assume(stack not in NO_RANDOM_STACKS or not draws_random(program))  # see NO_RANDOM_STACKS
-    x = _func_input(program, seed, stack in BATCHED)
+    x = _func_input(program, seed, stack in BATCHED, device)
     expected = run_stack(stack, program, x)
     actual = run_stack(stack, program, x, remat, remat if nested else identity)
     # Under grad(grad) the outer level differentiates through the recompute's graph,

@@ -25,7 +25,7 @@ from torch.func import (
 
 import remat
 from remat import remat as rm
-from tests.helpers import examples
+from tests.helpers import each_device, examples, from_seed
 
 F = nn.functional
 # Keeps a value whose input the recompute would skip (bodies have no matrix products).
@@ -218,9 +218,10 @@ def _tolerance(orders):
     body=st.sampled_from(sorted(BODIES)),
     policy=st.sampled_from(POLICIES),
 )
-def test_transform_stacks_match_plain(stack, body, policy):
+@each_device
+def test_transform_stacks_match_plain(device, stack, body, policy):
     """Any stack of up to three transforms gives what it gives on the plain function."""
-    x = torch.linspace(-1.0, 1.3, 12, dtype=torch.float64).reshape(2, 2, 3)
+    x = torch.linspace(-1.0, 1.3, 12, dtype=torch.float64, device=device).reshape(2, 2, 3)
     try:
         plain = _apply(stack, _program(BODIES[body]))(x)
     except RuntimeError as error:  # torch's own limits (std's backward at third order)
@@ -244,17 +245,16 @@ def test_transform_stacks_match_plain(stack, body, policy):
     ],
     ids=lambda s: "/".join(t.__name__ for t in s),
 )
-def test_random_bodies_under_stacks(stack, randomness):
+@each_device
+def test_random_bodies_under_stacks(device, stack, randomness):
     """Dropout inside the region under vmap(stack) replays exactly; RNG ends as plain."""
 
     def body(x):
         return F.dropout(x.sin(), 0.4).exp() * torch.rand_like(x)
 
     def run(f):
-        torch.manual_seed(0)
-        xs = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
-        out = vmap(_apply(stack, f), randomness=randomness)(xs)
-        return out, torch.get_rng_state()
+        xs = torch.linspace(-1, 1, 12, dtype=torch.float64, device=device).reshape(3, 4)
+        return from_seed(lambda: vmap(_apply(stack, f), randomness=randomness)(xs))
 
     _assert_equal(run(body), run(rm(body)), _tolerance(_order(stack)))
 

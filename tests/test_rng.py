@@ -1,4 +1,8 @@
-"""RNG: the recompute replays every random op bit for bit, without touching the caller's RNG."""
+"""RNG: the recompute replays every random op bit for bit, without touching the caller's RNG.
+
+The corpus of random functions runs on each device of `DEVICES`: on CUDA its factories and
+explicit generators are CUDA ones, and the default CUDA generator's state is compared too.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,23 @@ from torch.func import grad, vmap
 from tqdm import _monitor as tqdm_monitor
 
 from remat import RecomputeError, policies, remat
-from tests.helpers import another_thread_alive
+from tests.helpers import another_thread_alive, each_device, global_rng_states
 
 F = torch.nn.functional
 GEN_A = torch.Generator().manual_seed(11)
 GEN_B = torch.Generator().manual_seed(22)
+# On CUDA the corpus draws from these instead; each function names both pairs, as globals,
+# where remat sees generators (docs/rng.md#which-generators).
+CUDA_A, CUDA_B = (
+    (torch.Generator("cuda"), torch.Generator("cuda"))
+    if torch.cuda.is_available()
+    else (None, None)
+)
+
+
+def _generators(device):
+    """The two explicit generators on ``device`` ("cpu" or "cuda")."""
+    return (CUDA_A, CUDA_B) if device == "cuda" else (GEN_A, GEN_B)
 
 
 def _dropout(x):
@@ -28,7 +44,7 @@ def _bernoulli(x):
 
 
 def _rand(x):
-    return (x * torch.rand(x.shape, dtype=x.dtype)).sin()
+    return (x * torch.rand(x.shape, dtype=x.dtype, device=x.device)).sin()
 
 
 def _randn_like(x):
@@ -48,13 +64,13 @@ def _rand_like_of_a_skipped_value(x):
 def _kept_rand_like_then_another_draw(x):
     # A policy may keep rand_like's output (it is decided like other ops): the recompute
     # must still leave its draw out (or make it), so that rand draws the forward's numbers.
-    return (x * torch.rand_like(x)).sin() * torch.rand(x.shape, dtype=x.dtype)
+    return (x * torch.rand_like(x)).sin() * torch.rand(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _skipped_rand_like_then_another_draw(x):
     # Keeping the sum spares rand_like: the recompute skips it, and rand draws after it.
     noise = torch.rand_like(x.neg()) + 1
-    return (noise * x).sin() * torch.rand(x.shape, dtype=x.dtype)
+    return (noise * x).sin() * torch.rand(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _rand_on_a_skipped_values_device(x):
@@ -62,7 +78,7 @@ def _rand_on_a_skipped_values_device(x):
 
 
 def _randint(x):
-    return x.cos() * torch.randint(0, 5, x.shape, dtype=x.dtype)
+    return x.cos() * torch.randint(0, 5, x.shape, dtype=x.dtype, device=x.device)
 
 
 def _randint_like(x):
@@ -78,21 +94,24 @@ def _uniform_(x):
 
 
 def _randperm(x):
-    return x.sin()[..., torch.randperm(x.shape[-1])].exp()
+    return x.sin()[..., torch.randperm(x.shape[-1], device=x.device)].exp()
 
 
 def _multinomial(x):
-    idx = torch.multinomial(torch.ones(x.shape[-1]), x.shape[-1], replacement=True)
+    weights = torch.ones(x.shape[-1], device=x.device)
+    idx = torch.multinomial(weights, x.shape[-1], replacement=True)
     return x.sin()[..., idx].exp()
 
 
 def _explicit_generator(x):
-    return x.sin() * torch.rand(x.shape, dtype=x.dtype, generator=GEN_A)
+    gen_a = CUDA_A if x.is_cuda else GEN_A
+    return x.sin() * torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=gen_a)
 
 
 def _two_generators(x):
-    a = torch.rand(x.shape, dtype=x.dtype, generator=GEN_A)
-    b = torch.randn(x.shape, dtype=x.dtype, generator=GEN_B)
+    gen_a, gen_b = (CUDA_A, CUDA_B) if x.is_cuda else (GEN_A, GEN_B)
+    a = torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=gen_a)
+    b = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=gen_b)
     return (x * a).exp() + (x * b).sin() * torch.rand_like(x)
 
 
@@ -118,24 +137,30 @@ RANDOM_FUNCTIONS = [
 IDS = [f.__name__.strip("_") for f in RANDOM_FUNCTIONS]
 
 
-def _states():
-    return [torch.get_rng_state(), GEN_A.get_state(), GEN_B.get_state()]
+def _states(device="cpu"):
+    return [*global_rng_states(), *(g.get_state() for g in _generators(device))]
 
 
-def _seed(seed=0):
+def _seed(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    GEN_A.manual_seed(seed + 1)
-    GEN_B.manual_seed(seed + 2)
+    gen_a, gen_b = _generators(device)
+    gen_a.manual_seed(seed + 1)
+    gen_b.manual_seed(seed + 2)
 
 
-def _eager_run(f):
+def _eager_run(f, device="cpu"):
     """Forward, draw between forward and backward, backward; report everything observable."""
-    _seed()
-    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    _seed(device=device)
+    x = torch.randn(4, 6, dtype=torch.float64, device=device, requires_grad=True)
     out = f(x)
-    between = (torch.rand(3), torch.rand(2, generator=GEN_A), torch.randn(2, generator=GEN_B))
+    gen_a, gen_b = _generators(x.device.type)
+    between = (
+        torch.rand(3, device=device),
+        torch.rand(2, device=device, generator=gen_a),
+        torch.randn(2, device=device, generator=gen_b),
+    )
     out.sum().backward()
-    return out.detach(), x.grad, between, _states()
+    return out.detach(), x.grad, between, _states(device)
 
 
 def _assert_same(a, b):
@@ -161,25 +186,28 @@ def _assert_same(a, b):
     ids=["save_nothing", "save_matmuls", "save_everything", "save_ops", "memory_budget"],
 )
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
-def test_eager_random_ops_replay_bitwise(f, policy):
+@each_device
+def test_eager_random_ops_replay_bitwise(device, f, policy):
     """Outputs, grads, numbers drawn between forward and backward, final states: as plain."""
-    _assert_same(_eager_run(f), _eager_run(remat(f, policy=policy)))
+    _assert_same(_eager_run(f, device), _eager_run(remat(f, policy=policy), device))
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
-def test_forward_alone_advances_rng_like_plain(f):
+@each_device
+def test_forward_alone_advances_rng_like_plain(device, f):
     """A forward without backward leaves every generator where plain autograd leaves it."""
-    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
-    _seed()
+    x = torch.randn(4, 6, dtype=torch.float64, device=device, requires_grad=True)
+    _seed(device=device)
     f(x)
-    plain = _states()
-    _seed()
+    plain = _states(device)
+    _seed(device=device)
     remat(f)(x)
-    _assert_same(plain, _states())
+    _assert_same(plain, _states(device))
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
-def test_recompute_happens_and_uses_forward_numbers(f):
+@each_device
+def test_recompute_happens_and_uses_forward_numbers(device, f):
     """The region really is recomputed, and the recompute sees the forward's random numbers."""
     calls = []
 
@@ -187,12 +215,13 @@ def test_recompute_happens_and_uses_forward_numbers(f):
         calls.append(1)
         return f(x)
 
-    _assert_same(_eager_run(f), _eager_run(remat(counted)))
+    _assert_same(_eager_run(f, device), _eager_run(remat(counted), device))
     assert len(calls) == 2
 
 
 @pytest.mark.parametrize("threads", ["alone", "another_thread_alive"])
-def test_nested_regions_replay_bitwise(threads):
+@each_device
+def test_nested_regions_replay_bitwise(device, threads):
     """Random ops in nested regions replay exactly, at every level, with or without threads."""
 
     def inner(x):
@@ -207,7 +236,8 @@ def test_nested_regions_replay_bitwise(threads):
 
     alive = another_thread_alive() if threads != "alone" else contextlib.nullcontext()
     with alive:
-        _assert_same(_eager_run(outer(inner)), _eager_run(remat(outer(remat(inner)))))
+        expected = _eager_run(outer(inner), device)
+        _assert_same(expected, _eager_run(remat(outer(remat(inner))), device))
 
 
 def test_tqdm_monitor_thread_does_not_count_as_another_thread():
@@ -226,13 +256,14 @@ def test_tqdm_monitor_thread_does_not_count_as_another_thread():
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
-def test_under_torch_func_grad(f):
+@each_device
+def test_under_torch_func_grad(device, f):
     """Under torch.func.grad, gradients and final generator states match plain."""
 
     def run(g):
-        _seed()
-        x = torch.randn(4, 6, dtype=torch.float64)
-        return grad(lambda x: g(x).sum())(x), _states()
+        _seed(device=device)
+        x = torch.randn(4, 6, dtype=torch.float64, device=device)
+        return grad(lambda x: g(x).sum())(x), _states(device)
 
     _assert_same(run(f), run(remat(f)))
 
@@ -241,13 +272,14 @@ def test_under_torch_func_grad(f):
 @pytest.mark.parametrize(
     "f", [_dropout, _rand_like, _normal_, _rand], ids=lambda f: f.__name__.strip("_")
 )
-def test_vmap_grad_randomness_modes(f, randomness):
+@each_device
+def test_vmap_grad_randomness_modes(device, f, randomness):
     """vmap(grad) with randomness="different" and "same" matches plain, states included."""
 
     def run(g):
-        _seed()
-        xs = torch.randn(3, 4, 6, dtype=torch.float64)
-        return vmap(grad(lambda x: g(x).sum()), randomness=randomness)(xs), _states()
+        _seed(device=device)
+        xs = torch.randn(3, 4, 6, dtype=torch.float64, device=device)
+        return vmap(grad(lambda x: g(x).sum()), randomness=randomness)(xs), _states(device)
 
     _assert_same(run(f), run(remat(f)))
 

@@ -1,8 +1,9 @@
 """Soundness (issue 11): a remat region gives plain autograd's results bitwise, or says why not.
 
 The oracle everywhere: the undecorated function under plain autograd, and ``remat(fn,
-policy=p)`` on fresh copies of the same float64 CPU inputs; outputs, gradients of every leaf
-(inputs and module parameters) and module buffers are compared bitwise. Where a divergence
+policy=p)`` on fresh copies of the same float64 inputs, on each device of `DEVICES`; outputs,
+gradients of every leaf (inputs and module parameters) and module buffers are compared
+bitwise. Where a divergence
 cannot be repaired, a `RecomputeError` that names what diverged is also accepted.
 """
 
@@ -24,7 +25,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat import RecomputeError, policies, remat
-from tests.helpers import assert_tree_equal
+from tests.helpers import assert_tree_equal, each_device
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -47,9 +48,10 @@ each_policy = pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.
 # Open items of issue 11, documented in docs/limitations.md. Strict: each fails CI once fixed.
 
 
-def _randn(seed, *shape, requires_grad=True):
+def _randn(seed, *shape, requires_grad=True, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=DTYPE).requires_grad_(requires_grad)
+    t = torch.randn(*shape, generator=gen, dtype=DTYPE).to(device)
+    return t.requires_grad_(requires_grad)
 
 
 def _grads(tensors):
@@ -83,18 +85,20 @@ def _extra_op_on_second_call():
     return fn
 
 
-def _run_extra_op(wrap):
-    x, w = _randn(0, 3, 3), _randn(1, 3, 3)
+def _run_extra_op(wrap, device):
+    x, w = _randn(0, 3, 3, device=device), _randn(1, 3, 3, device=device)
     out = wrap(_extra_op_on_second_call())(x, w)
     out.sin().sum().backward()
     return out, _grads([x, w])
 
 
 @each_policy
-def test_extra_op_in_recompute_is_equal_or_named(policy):
+@each_device
+def test_extra_op_in_recompute_is_equal_or_named(device, policy):
     """A recompute that runs one extra harmless op before a kept matmul: equal, or names it."""
     _equal_or_recompute_error(
-        lambda: _run_extra_op(lambda f: f), lambda: _run_extra_op(lambda f: remat(f, policy=policy))
+        lambda: _run_extra_op(lambda f: f, device),
+        lambda: _run_extra_op(lambda f: remat(f, policy=policy), device),
     )
 
 
@@ -114,11 +118,12 @@ def _inner_grad(create_graph):
 
 @pytest.mark.parametrize("create_graph", [False, True], ids=["no_create_graph", "create_graph"])
 @each_policy
-def test_inner_autograd_grad_matches_plain(policy, create_graph):
+@each_device
+def test_inner_autograd_grad_matches_plain(device, policy, create_graph):
     """autograd.grad on fn's own intermediates inside fn, then the outer backward: plain's."""
 
     def run(wrap):
-        x, w = _randn(0, 3, 3), _randn(1, 3, 3)
+        x, w = _randn(0, 3, 3, device=device), _randn(1, 3, 3, device=device)
         out = wrap(_inner_grad(create_graph))(x, w)
         out.sin().sum().backward()
         return out, _grads([x, w])
@@ -148,19 +153,21 @@ def _item(x, w):
 
 
 def _numpy(x, w):
-    v = float((x + 1).detach().numpy()[0, 0])
+    t = (x + 1).detach()
+    v = float((t.cpu() if t.is_cuda else t).numpy()[0, 0])
     y = x.sin() if v > 0 else x.cos()
     return (y * v).tanh() @ w
 
 
-def _run_reads(fn, wrap):
-    x, w = _randn(0, 6, 4), _randn(1, 4, 4)
+def _run_reads(fn, wrap, device):
+    x, w = _randn(0, 6, 4, device=device), _randn(1, 4, 4, device=device)
     with torch.no_grad():
         x[0, 0] = 0.75  # (x + 1)[0, 0] > 0: the sin branch
     args, leaves = (x, w), [x, w]
     if fn is _moe_split:
-        experts = _randn(2, 3, 4, 4)
-        args, leaves = (x, w, torch.tensor([2, 0, 2, 1, 2, 0]), experts), [x, w, experts]
+        experts = _randn(2, 3, 4, 4, device=device)
+        idx = torch.tensor([2, 0, 2, 1, 2, 0], device=device)
+        args, leaves = (x, w, idx, experts), [x, w, experts]
     out = wrap(fn)(*args)
     out.sin().sum().backward()
     return out, _grads(leaves)
@@ -176,13 +183,15 @@ READS = {
 
 @pytest.mark.parametrize("fn", READS.values(), ids=READS.keys())
 @each_policy
-def test_python_reads_of_values_match_plain(policy, fn):
+@each_device
+def test_python_reads_of_values_match_plain(device, policy, fn):
     """Values read by Python (tolist, bincount sizes, item, numpy) are recomputed, not skipped."""
-    expected = _run_reads(fn, lambda f: f)
-    assert_tree_equal(_run_reads(fn, lambda f: remat(f, policy=policy)), expected)
+    expected = _run_reads(fn, lambda f: f, device)
+    assert_tree_equal(_run_reads(fn, lambda f: remat(f, policy=policy), device), expected)
 
 
-def test_device_of_a_skipped_value_does_not_restart_the_recompute():
+@each_device
+def test_device_of_a_skipped_value_does_not_restart_the_recompute(device):
     """A skipped value is a meta placeholder: a factory call on its ``.device`` runs on the
     forward's device when that matches the forward's op, instead of restarting."""
     calls = []
@@ -194,7 +203,7 @@ def test_device_of_a_skipped_value_does_not_restart_the_recompute():
         scale = torch.full((), 2.0, dtype=y.dtype, device=unused.device)
         return (y * scale).sin()
 
-    x, w = _randn(0, 4, 4), _randn(1, 4, 4)
+    x, w = _randn(0, 4, 4, device=device), _randn(1, 4, 4, device=device)
     expected = torch.autograd.grad(fn(x, w).sum(), (x, w))
     calls.clear()
     got = torch.autograd.grad(remat(fn, policy="save_matmuls")(x, w).sum(), (x, w))
@@ -214,21 +223,22 @@ class _CachedMaskAttention(nn.Module):
     def forward(self, x):
         t = x.shape[0]
         if self.mask is None:
-            self.mask = torch.ones(t, t, dtype=x.dtype).tril().bool()
+            self.mask = torch.ones(t, t, dtype=x.dtype, device=x.device).tril().bool()
         scores = self.q(x) @ self.k(x).t()
         scores = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)
         return scores @ self.v(x)
 
 
 @each_policy
-def test_mask_cached_on_first_call_is_equal_or_named(policy):
+@each_device
+def test_mask_cached_on_first_call_is_equal_or_named(device, policy):
     """A causal mask built only in the forward (T == d): plain's gradients, or names the op."""
     torch.manual_seed(0)
-    model = _CachedMaskAttention(4).double()
+    model = _CachedMaskAttention(4).double().to(device)
 
     def run(wrap):
         m = copy.deepcopy(model)
-        x = _randn(3, 4, 4)
+        x = _randn(3, 4, 4, device=device)
         out = wrap(m)(x)
         out.sin().sum().backward()
         return out, _grads([x, *m.parameters()])
@@ -272,9 +282,9 @@ MODELS = {"batch_norm": _BatchNormNet, "spectral_norm": _spectral_net, "ema_buff
 def _train(model, forward, steps=3):
     """Forward, backward, SGD step; each step's output and gradients, then the state_dict."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    history = []
+    history, device = [], next(model.parameters()).device
     for step in range(steps):
-        x = _randn(10 + step, 5, 4, requires_grad=False)
+        x = _randn(10 + step, 5, 4, requires_grad=False, device=device)
         opt.zero_grad()
         out = forward(x)
         out.sin().sum().backward()
@@ -286,7 +296,9 @@ def _train(model, forward, steps=3):
 def _evaluated_first(model, forward):
     """One step in eval mode (a sanity check before training), then training."""
     model.eval()
-    with_eval = forward(_randn(9, 5, 4, requires_grad=False))
+    with_eval = forward(
+        _randn(9, 5, 4, requires_grad=False, device=next(model.parameters()).device)
+    )
     model.train()
     return with_eval, _train(model, forward)
 
@@ -294,10 +306,11 @@ def _evaluated_first(model, forward):
 @pytest.mark.parametrize("run", [_train, _evaluated_first], ids=["train", "eval_then_train"])
 @pytest.mark.parametrize("make", MODELS.values(), ids=MODELS.keys())
 @each_policy
-def test_module_state_updated_in_forward_matches_plain(policy, make, run):
+@each_device
+def test_module_state_updated_in_forward_matches_plain(device, policy, make, run):
     """BatchNorm, spectral_norm, an EMA buffer: 3 training steps give plain's grads and state."""
     torch.manual_seed(0)
-    model = make().double().train()
+    model = make().double().to(device).train()
     plain, kept = copy.deepcopy(model), copy.deepcopy(model)
     expected = run(plain, plain)
     assert_tree_equal(run(kept, remat(kept, policy=policy)), expected)
@@ -309,16 +322,19 @@ def _functional_batch_norm(x, w, b, mean, var, w2):
 
 @pytest.mark.parametrize("wrapper", ["once", "each_step"])
 @each_policy
-def test_functional_batch_norm_updates_running_stats_once(policy, wrapper):
+@each_device
+def test_functional_batch_norm_updates_running_stats_once(device, policy, wrapper):
     """F.batch_norm with running buffers as arguments updates them once per step, as plain."""
 
     def run(wrap):
         f = wrap(_functional_batch_norm)
-        w, b, w2 = _randn(0, 4), _randn(1, 4), _randn(2, 4, 3)
-        mean, var = torch.zeros(4, dtype=DTYPE), torch.ones(4, dtype=DTYPE)
+        w, b = _randn(0, 4, device=device), _randn(1, 4, device=device)
+        w2 = _randn(2, 4, 3, device=device)
+        mean = torch.zeros(4, dtype=DTYPE, device=device)
+        var = torch.ones(4, dtype=DTYPE, device=device)
         history = []
         for step in range(3):
-            x = _randn(10 + step, 5, 4)
+            x = _randn(10 + step, 5, 4, device=device)
             if wrapper == "each_step":
                 f = wrap(_functional_batch_norm)
             out = f(x, w, b, mean, var, w2)
@@ -351,9 +367,9 @@ class _Block(nn.Module):
 REACHES = ("partial", "bound_method")
 
 
-def _blocks(policy, reach):
+def _blocks(policy, reach, device):
     torch.manual_seed(0)
-    plain = _Block(lambda f: f, reach).double()
+    plain = _Block(lambda f: f, reach).double().to(device)
     kept = copy.deepcopy(plain)
     kept.wrap = functools.partial(remat, policy=policy)
     return plain, kept
@@ -367,12 +383,13 @@ def _other_params(block, requires_grad=True):
 
 
 @each_policy
-def test_partial_of_method_reaches_parameters(policy):
+@each_device
+def test_partial_of_method_reaches_parameters(device, policy):
     """remat(functools.partial(Block.body, block)): gradients reach block's parameters."""
-    plain, kept = _blocks(policy, "partial")
+    plain, kept = _blocks(policy, "partial", device)
 
     def run(block, fn):
-        x = _randn(0, 3, 4)
+        x = _randn(0, 3, 4, device=device)
         out = fn(x)
         out.sin().sum().backward()
         return out, _grads([x, *block.parameters()])
@@ -385,12 +402,13 @@ def test_partial_of_method_reaches_parameters(policy):
 
 @pytest.mark.parametrize("reach", REACHES)
 @each_policy
-def test_functional_call_params_backward_after_return(policy, reach):
+@each_device
+def test_functional_call_params_backward_after_return(device, policy, reach):
     """functional_call with other params, backward after it returned: plain's grads of them."""
-    plain, kept = _blocks(policy, reach)
+    plain, kept = _blocks(policy, reach, device)
 
     def run(block):
-        x, params = _randn(0, 3, 4), _other_params(block)
+        x, params = _randn(0, 3, 4, device=device), _other_params(block)
         out = functional_call(block, params, (x,))
         out.sin().sum().backward()
         return out, _grads([x, *params.values(), *block.parameters()])
@@ -400,12 +418,14 @@ def test_functional_call_params_backward_after_return(policy, reach):
 
 @pytest.mark.parametrize("reach", REACHES)
 @each_policy
-def test_func_grad_of_functional_call(policy, reach):
+@each_device
+def test_func_grad_of_functional_call(device, policy, reach):
     """torch.func.grad over functional_call's params equals plain's."""
-    plain, kept = _blocks(policy, reach)
+    plain, kept = _blocks(policy, reach, device)
 
     def run(block):
-        x, params = _randn(0, 3, 4, requires_grad=False), _other_params(block, False)
+        x = _randn(0, 3, 4, requires_grad=False, device=device)
+        params = _other_params(block, False)
         loss = lambda p: functional_call(block, p, (x,)).sin().sum()
         return torch.func.grad(loss)(params)
 
@@ -432,11 +452,12 @@ def _holder_fn(h):
 
 
 @each_policy
-def test_namespace_node_gradients_reach_its_tensors(policy):
+@each_device
+def test_namespace_node_gradients_reach_its_tensors(device, policy):
     """remat(fn, namespace=NS) on a node registered in NS: gradients reach its tensors."""
 
     def run(wrap):
-        a, b = _randn(0, 3, 3), _randn(1, 3, 3)
+        a, b = _randn(0, 3, 3, device=device), _randn(1, 3, 3, device=device)
         out = wrap(_holder_fn)(_Holder(a, b))
         out.sin().sum().backward()
         return out, _grads([a, b])
@@ -446,9 +467,10 @@ def test_namespace_node_gradients_reach_its_tensors(policy):
 
 @pytest.mark.parametrize("container", ["dict", "namespace"])
 @each_policy
-def test_in_place_change_of_input_in_node_raises(policy, container):
+@each_device
+def test_in_place_change_of_input_in_node_raises(device, policy, container):
     """Modifying an input tensor in place before backward raises, in a dict or an NS node."""
-    a, b = _randn(0, 3, 3), _randn(1, 3, 3)
+    a, b = _randn(0, 3, 3, device=device), _randn(1, 3, 3, device=device)
     if container == "dict":
         out = remat(lambda d: _holder_fn(_Holder(d["a"], d["b"])), policy=policy)({"a": a, "b": b})
     else:
@@ -480,11 +502,12 @@ def _single(wrap, body):
 @pytest.mark.parametrize("nesting", [_nested, _single], ids=["nested", "single"])
 @pytest.mark.parametrize("body", BODIES.values(), ids=BODIES.keys())
 @each_policy
-def test_input_modified_inside_fn_is_equal_or_named(policy, body, nesting):
+@each_device
+def test_input_modified_inside_fn_is_equal_or_named(device, policy, body, nesting):
     """fn modifies its (non-leaf) input in place: plain's gradients, or says it was inside fn."""
 
     def run(wrap):
-        x = _randn(0, 3, 3)
+        x = _randn(0, 3, 3, device=device)
         out = nesting(wrap, body)(x)
         out.sum().backward()
         return out, _grads([x])
@@ -506,16 +529,17 @@ def _dropout_region(x, w):
     return a, b, (a + b).sum()
 
 
-def _exact_inputs(seed):
+def _exact_inputs(seed, device):
     """x: odd integers (3 columns), w: odd quarters; x @ w is never 0, every sum is exact."""
     gen = torch.Generator().manual_seed(seed)
-    x = (2 * torch.randint(-2, 2, (4, 3), generator=gen) + 1).to(DTYPE)
-    w = (2 * torch.randint(-4, 4, (3, 5), generator=gen) + 1).to(DTYPE) / 4
+    x = (2 * torch.randint(-2, 2, (4, 3), generator=gen) + 1).to(device, DTYPE)
+    w = (2 * torch.randint(-4, 4, (3, 5), generator=gen) + 1).to(device, DTYPE) / 4
     return x.requires_grad_(), w.requires_grad_()
 
 
 @each_policy
-def test_threads_with_dropout_match_their_own_masks(policy):
+@each_device
+def test_threads_with_dropout_match_their_own_masks(device, policy):
     """4 threads x 30 dropout forward+backward: each gradient follows its own forward's mask."""
     f = remat(_dropout_region, policy=policy)
     threads, barrier = 4, threading.Barrier(4)
@@ -523,7 +547,7 @@ def test_threads_with_dropout_match_their_own_masks(policy):
     errors: list[BaseException] = []
 
     def work(seed):
-        x, w = _exact_inputs(seed)
+        x, w = _exact_inputs(seed, device)
         barrier.wait()
         for i in range(30):
             x.grad = w.grad = None
@@ -574,11 +598,12 @@ each_block = pytest.mark.parametrize(("block", "shape"), RESHAPING.values(), ids
 
 @each_block
 @each_policy
-def test_forward_under_flop_counter_backward_outside(policy, block, shape):
+@each_device
+def test_forward_under_flop_counter_backward_outside(device, policy, block, shape):
     """Forward inside FlopCounterMode, backward outside it: plain's gradients."""
 
     def run(wrap):
-        x, w = _randn(0, *shape), _randn(1, 4, 4)
+        x, w = _randn(0, *shape, device=device), _randn(1, 4, 4, device=device)
         with FlopCounterMode(display=False):
             out = wrap(block)(x, w)
         out.sin().sum().backward()
@@ -609,11 +634,12 @@ def _hooked_outside_backward(x, w):
 
 
 @each_policy
-def test_identity_function_in_forward_only(policy):
+@each_device
+def test_identity_function_in_forward_only(device, policy):
     """An autograd.Function returning its input, in the forward only: plain's gradients."""
 
     def run(wrap):
-        x, w = _randn(0, 3, 4), _randn(1, 4, 4)
+        x, w = _randn(0, 3, 4, device=device), _randn(1, 4, 4, device=device)
         out = wrap(_hooked_outside_backward)(x, w)
         out.sum().backward()
         return out, _grads([x, w])
@@ -627,11 +653,12 @@ class _Sub(torch.Tensor):
 
 @each_block
 @each_policy
-def test_trivial_tensor_subclass_input(policy, block, shape):
+@each_device
+def test_trivial_tensor_subclass_input(device, policy, block, shape):
     """A trivial torch.Tensor subclass input gives plain's outputs and gradients."""
 
     def run(wrap):
-        x, w = _randn(0, *shape), _randn(1, 4, 4)
+        x, w = _randn(0, *shape, device=device), _randn(1, 4, 4, device=device)
         out = wrap(block)(x.as_subclass(_Sub), w)
         out.sin().sum().backward()
         return out.as_subclass(torch.Tensor), _grads([x, w])
@@ -643,16 +670,17 @@ def test_trivial_tensor_subclass_input(policy, block, shape):
 
 
 def _local_generator(x):
-    g = torch.Generator().manual_seed(0)
-    return (x * torch.rand(x.shape, generator=g, dtype=x.dtype)).sin()
+    g = torch.Generator(x.device).manual_seed(0)
+    return (x * torch.rand(x.shape, generator=g, dtype=x.dtype, device=x.device)).sin()
 
 
 @each_policy
-def test_generator_seeded_inside_fn(policy):
+@each_device
+def test_generator_seeded_inside_fn(device, policy):
     """A generator made and seeded inside fn draws the same numbers in the recompute."""
 
     def run(wrap):
-        x = _randn(0, 3, 4)
+        x = _randn(0, 3, 4, device=device)
         out = wrap(_local_generator)(x)
         out.exp().sum().backward()
         return out, _grads([x])
@@ -694,11 +722,12 @@ SUPPRESSING = {"around_sin": _suppress_around_sin, "around_last_save": _suppress
 
 @pytest.mark.parametrize("fn", SUPPRESSING.values(), ids=SUPPRESSING.keys())
 @each_policy
-def test_fn_suppressing_base_exception(policy, fn):
+@each_device
+def test_fn_suppressing_base_exception(device, policy, fn):
     """fn wraps ops in contextlib.suppress(BaseException): plain's gradients all the same."""
 
     def run(wrap):
-        x = _randn(0, 3, 4)
+        x = _randn(0, 3, 4, device=device)
         out = wrap(fn)(x)
         out.sum().backward()
         return out, _grads([x])

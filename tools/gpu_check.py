@@ -1,10 +1,15 @@
 """The checks that need an NVIDIA GPU, run by ``make gpu-check`` once one is found.
 
-The CUDA-only tests (pytest marker ``cuda``), the offload and RNG tests (on a CUDA
-machine remat also captures and replays the CUDA generators there), and ``make bench``,
-whose memory columns then come from the CUDA allocator (``torch.cuda.memory_allocated``
-and ``max_memory_allocated``). Writes ``gpu-check-report.md`` and the logs into ``--out``;
-exits 1 if a check failed, or if the GPU is there but this venv's torch cannot use it.
+The GPU machines this project gets have no network, and a Python of their own with a CUDA
+build of torch and most of the test tools, but not remat's other needs. So the check runs
+with that Python as it is, if its torch is in the range ``pyproject.toml`` declares and can
+use the GPU. It installs the few packages that Python lacks (`CARRIED`) from the wheels that
+``make gpu-wheels`` downloaded on a machine with network, with ``pip --no-index``, and then
+remat from this tree, both into one folder put on ``PYTHONPATH``. Then it runs the whole test
+suite: the CUDA tests (the ``cuda`` marker, on the corpora's ``device="cuda"`` cases too;
+none may skip) and the rest; and the benchmark suite, whose memory columns then come from
+the CUDA allocator. Writes ``gpu-check-report.md`` and the logs into ``--out``; exits 1 if
+a check failed, or if that Python's torch cannot be used.
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
+import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -20,9 +29,129 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
 REPORT = "gpu-check-report.md"
-# The venv's pytest, as make test runs it: the installed package is tested, not the tree.
-PYTEST = [str(Path(sys.executable).with_name("pytest")), "-p", "no:cacheprovider"]
+# What the GPU image's Python lacks, at the versions requirements-dev.txt pins.
+CARRIED = (
+    "optree",  # remat's dependency
+    "torch-remat",  # a peer the benchmark suite compares with
+    # hatchling builds remat from this tree, so that the suite tests the installed package
+    # as make test does; tomlkit and trove-classifiers are its own needs.
+    "hatchling",
+    "tomlkit",
+    "trove-classifiers",
+)
+# Test files that need what the GPU image lacks and test nothing of the device: make test
+# runs them wherever remat is developed.
+LEFT_OUT = {
+    "tests/test_site.py": "the docs build: mkdocs and its plugins are not there",
+    "tests/test_package.py": "the release checks: twine is not there, and remat installed "
+    "on PYTHONPATH would shadow the wheel under test",
+}
+# The GPU image's Python and platforms, for `make gpu-wheels`.
+WHEEL_PYTHON = "3.12"
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# Run by the Python under test: what its torch is, and whether it sees the GPU.
+PROBE = """\
+import json, torch
+cuda = torch.cuda.is_available()
+found = {"torch": torch.__version__, "cuda": cuda}
+if cuda:
+    properties = torch.cuda.get_device_properties(0)
+    found.update(
+        device=properties.name,
+        capability=f"{properties.major}.{properties.minor}",
+        gib=properties.total_memory / 2**30,
+        count=torch.cuda.device_count(),
+        cuda_version=torch.version.cuda,
+    )
+print(json.dumps(found))
+"""
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(names: Sequence[str] = CARRIED) -> list[str]:
+    """``name==version`` for each of ``names``, as requirements-dev.txt pins it."""
+    pinned = {}
+    for line in (ROOT / "requirements-dev.txt").read_text().splitlines():
+        name, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            pinned[_canonical(name)] = version
+    return [f"{name}=={pinned[_canonical(name)]}" for name in names]
+
+
+def download_command(python: str, folder: Path) -> list[str]:
+    """The pip command that fetches `CARRIED`'s wheels for the GPU image into ``folder``."""
+    pip = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    target = ["--python-version", WHEEL_PYTHON, "--implementation", "cp"]
+    target += [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
+    return [*pip, *target, "--dest", str(folder), *pins()]
+
+
+def carried_wheels(folder: Path) -> list[Path]:
+    """The wheel in ``folder`` for each pin of `CARRIED`, or SystemExit naming the missing."""
+    found, missing = [], []
+    for pin in pins():
+        name, version = pin.split("==")
+        # A wheel's name starts with its project's name (- and . as _) and its version.
+        prefix = f"{_canonical(name).replace('-', '_')}-{version}-"
+        wheels = [w for w in sorted(folder.glob("*.whl")) if w.name.lower().startswith(prefix)]
+        found += wheels[:1]
+        missing += [] if wheels else [pin]
+    if missing:
+        raise SystemExit(
+            f"gpu-check: no wheel for {', '.join(missing)} in {folder}/. This machine has no "
+            "network: run `make gpu-wheels` on one that has, and bring that folder along with "
+            "the tree."
+        )
+    return found
+
+
+def torch_range() -> str:
+    """The torch requirement of remat's ``pyproject.toml``, such as ``>=2.10``."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (spec,) = [d for d in project["dependencies"] if re.match(r"torch(?![\w.-])", d)]
+    return spec.removeprefix("torch").strip()
+
+
+def cuda_machine(python: str) -> list[str]:
+    """What runs the check, or SystemExit if ``python``'s torch cannot be used for it."""
+    from packaging.specifiers import SpecifierSet
+
+    wanted = torch_range()
+    fix = (
+        f"Run make gpu-check PYTHON=/path/to/python3, for a Python whose torch is a CUDA "
+        f"build of torch{wanted}."
+    )
+    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"gpu-check: {python} cannot import torch ({last}). {fix}")
+    found = json.loads(probe.stdout)
+    if not SpecifierSet(wanted).contains(found["torch"], prereleases=True):
+        raise SystemExit(
+            f"gpu-check: {python} has torch {found['torch']}, outside the range remat "
+            f"supports (torch{wanted}, from pyproject.toml). {fix}"
+        )
+    if not found["cuda"]:
+        raise SystemExit(
+            f"gpu-check: an NVIDIA GPU is here, but torch {found['torch']} in {python} "
+            "cannot use it (torch.cuda.is_available() is False: a CPU build, or a driver "
+            f"older than its CUDA). {fix}"
+        )
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    driver = subprocess.run(query, capture_output=True, text=True, check=False).stdout.split()
+    return [
+        f"device: {found['device']} (compute capability {found['capability']}, "
+        f"{found['gib']:.0f} GiB), {found['count']} visible",
+        f"torch {found['torch']}, CUDA {found['cuda_version']}, driver "
+        f"{driver[0] if driver else 'unknown'}; {python}",
+    ]
 
 
 @dataclasses.dataclass
@@ -43,22 +172,39 @@ class Check:
         return self.returncode == 0 and not self.problem
 
 
-def checks(out: Path, make: str) -> list[Check]:
-    """The commands, in the order they run (the bench last: it takes the longest)."""
+def setup(python: str, out: Path, wheels: Sequence[Path]) -> list[Check]:
+    """The installs into ``out/site``, from files only: pip never looks at an index."""
+    pip = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(out / "site")]
+    return [
+        Check("install the carried wheels", [*pip, *map(str, wheels)], "install-wheels.log"),
+        # Built by the hatchling just installed, found on PYTHONPATH (`environment`).
+        Check("install remat", [*pip, "--no-build-isolation", str(ROOT)], "install-remat.log"),
+    ]
+
+
+def checks(python: str, out: Path, workers: int) -> list[Check]:
+    """The test runs and the bench, in the order they run (the bench takes the longest)."""
 
     def pytest(junit: str, *args: str) -> list[str]:
-        return [*PYTEST, *args, "tests", f"--junitxml={out / junit}"]
+        # -P: the tree is not on sys.path, so the tests import remat as installed.
+        ignore = [f"--ignore={path}" for path in LEFT_OUT]
+        run = [python, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-n", str(workers)]
+        return [*run, *ignore, *args, "tests", f"--junitxml={out / junit}"]
 
     return [
-        Check("CUDA tests", pytest("cuda.xml", "-m", "cuda", "-v", "-s"), "cuda.log", "cuda.xml"),
+        Check("CUDA tests", pytest("cuda.xml", "-m", "cuda", "-v"), "cuda.log", "cuda.xml"),
+        Check("other tests", pytest("other.xml", "-m", "not cuda"), "other.log", "other.xml"),
+        # What make bench runs, with this Python: the results go to the report's folder.
         Check(
-            "offload and RNG tests",
-            pytest("offload-rng.xml", "-n", "2", "-m", "not cuda", "-k", "offload or test_rng"),
-            "offload-rng.log",
-            "offload-rng.xml",
+            "bench", [python, "-m", "benchmarks.suite", "--out", str(out / "bench")], "bench.log"
         ),
-        Check("make bench", [make, "bench", f"BENCH_OUT={out / 'bench'}"], "bench.log"),
     ]
+
+
+def environment(out: Path) -> dict[str, str]:
+    """The environment every command runs in: the installs first on the path, no index."""
+    path = [str(out / "site"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PIP_NO_INDEX": "1"}
 
 
 def junit_counts(path: Path) -> dict[str, int]:
@@ -84,7 +230,7 @@ def judge(check: Check, out: Path) -> None:
         check.problem = f"exit status {check.returncode}"
     elif check.name == "CUDA tests" and (check.counts.get("skipped") or not check.counts):
         check.problem = "a CUDA test was skipped on a machine with a GPU"
-    elif check.name == "make bench":
+    elif check.name == "bench":
         results = out / "bench" / "results.md"
         if not results.exists() or "Memory: CUDA allocator" not in results.read_text():
             check.problem = "the bench did not measure with the CUDA allocator"
@@ -94,15 +240,23 @@ def run(check: Check, out: Path) -> None:
     print(f"gpu-check: {check.name}: {shlex.join(check.command)}", flush=True)
     start = time.perf_counter()
     with (out / check.log).open("w") as log:
-        done = subprocess.run(check.command, stdout=log, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(
+            check.command,
+            cwd=ROOT,
+            env=environment(out),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
     check.returncode, check.seconds = done.returncode, time.perf_counter() - start
     judge(check, out)
     print(f"gpu-check: {check.name}: {'ok' if check.ok else check.problem}", flush=True)
 
 
-def report(machine: list[str], done: list[Check], out: Path) -> str:
-    """The Markdown report: machine, one row per check, the bench's tables."""
-    verdict = "PASS" if all(c.ok for c in done) else "FAIL"
+def report(machine: list[str], done: list[Check], out: Path, planned: int | None = None) -> str:
+    """The Markdown report: machine, one row per check, what was left out, the bench's tables."""
+    complete = planned is None or len(done) == planned
+    verdict = "PASS" if complete and all(c.ok for c in done) else "FAIL"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# make gpu-check: {verdict}", "", f"{when}.", "", *[f"- {m}" for m in machine]]
     lines += ["", "| check | result | passed | failed | skipped | time | log |"]
@@ -115,56 +269,50 @@ def report(machine: list[str], done: list[Check], out: Path) -> str:
         lines.append(
             f"| {c.name} | {result} | {' | '.join(counts)} | {c.seconds:.0f} s | {c.log} |"
         )
+    if not complete:
+        lines += ["", f"Stopped after {done[-1].name}: {planned - len(done)} checks not run."]
+    lines += ["", "Left out (make test runs them):", ""]
+    lines += [f"- {path}: {why}" for path, why in LEFT_OUT.items()]
     lines += ["", "Commands:", ""]
     lines += [f"- {c.name}: `{shlex.join(c.command)}`" for c in done]
     results = out / "bench" / "results.md"
     if results.exists():
-        lines += ["", "## make bench", "", results.read_text()]
+        lines += ["", "## bench", "", results.read_text()]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def cuda_machine() -> list[str]:
-    """What runs the check, or SystemExit if this venv's torch cannot use the GPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            f"gpu-check: an NVIDIA GPU is here, but torch {torch.__version__} in this venv "
-            "cannot use it (torch.cuda.is_available() is False: a CPU build, or a driver "
-            "older than its CUDA). Install a CUDA build of the pinned torch into .venv (the "
-            "Linux wheels on PyPI are CUDA builds), then run make gpu-check again."
-        )
-    name = torch.cuda.get_device_name()
-    major, minor = torch.cuda.get_device_capability()
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-    driver = subprocess.run(query, capture_output=True, text=True, check=False).stdout.split()
-    driver_version = driver[0] if driver else "unknown"
-    return [
-        f"device: {name} (compute capability {major}.{minor}, {gib:.0f} GiB), "
-        f"{torch.cuda.device_count()} visible",
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}, driver {driver_version}, "
-        f"Python {sys.version.split()[0]}",
-    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="where the report and logs go")
-    parser.add_argument("--make", default="make", help="the make that runs `make bench`")
+    parser.add_argument("--out", type=Path, help="where the report and logs go")
+    parser.add_argument("--wheels", type=Path, required=True, help="the carried wheels' folder")
+    parser.add_argument(
+        "--download", action="store_true", help="download the wheels into --wheels, and stop"
+    )
+    parser.add_argument(
+        "--python", default=sys.executable, help="the Python under test (default: this one)"
+    )
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args(argv)
-    machine = cuda_machine()
+    if args.download:
+        return subprocess.run(download_command(args.python, args.wheels), check=False).returncode
+    if args.out is None:
+        parser.error("--out is required")
+    machine = cuda_machine(args.python)
+    wheels = carried_wheels(args.wheels.resolve())
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    done = checks(out, args.make)
-    for check in done:
+    shutil.rmtree(out / "site", ignore_errors=True)
+    planned = [*setup(args.python, out, wheels), *checks(args.python, out, args.workers)]
+    done: list[Check] = []
+    for check in planned:
         run(check, out)
-    (out / REPORT).write_text(report(machine, done, out))
-    print(
-        f"gpu-check: {'all checks passed' if all(c.ok for c in done) else 'FAILED'}; "
-        f"report: {out / REPORT}"
-    )
-    return 0 if all(c.ok for c in done) else 1
+        done.append(check)
+        if check.name.startswith("install") and not check.ok:
+            break  # nothing can run without its installs
+    (out / REPORT).write_text(report(machine, done, out, len(planned)))
+    passed = len(done) == len(planned) and all(c.ok for c in done)
+    print(f"gpu-check: {'all checks passed' if passed else 'FAILED'}; report: {out / REPORT}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
