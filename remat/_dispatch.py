@@ -15,10 +15,11 @@ from typing import Any
 
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
-from ._keep import Keeper, Op, Replayer, op_info
+from ._keep import Keeper, Op, Replayer, op_info, written
+from ._modules import ModuleState, WriteGuard
 from ._rng import RngCapture, RngReplay
 
-__all__ = ["OpMode", "quiet"]
+__all__ = ["GuardedOpMode", "OpMode", "quiet"]
 
 _local = threading.local()
 
@@ -52,10 +53,13 @@ class OpMode(_torch_private.TorchDispatchMode):
         keeper: Keeper | None = None,
         replayer: Replayer | None = None,
         trace: list[TraceEntry] | None = None,
+        watch: ModuleState | None = None,
+        guard: WriteGuard | None = None,
     ) -> None:
         super().__init__()
         self.capture, self.replay, self.trace = capture, replay, trace
         self.keeper, self.replayer = keeper, replayer
+        self.watch, self.guard = watch, guard  # the forward's and the recompute's, first calls
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -63,16 +67,34 @@ class OpMode(_torch_private.TorchDispatchMode):
         if self.paused or getattr(_local, "quiet", 0):
             return func(*args, **kwargs)
         op = op_info(func)
+        if op.writes and (self.watch is not None or self.guard is not None):
+            self._writes(op, args, kwargs)
         if self.replayer is not None:
             out = self.replayer.call(op, args, kwargs, self._run, self._passed)
         else:
             out = self._run(op, args, kwargs)
             if self.keeper is not None:
                 self.keeper.after(op, args, kwargs, out)
+        if self.guard is not None:
+            self.guard.made(out)
         if self.trace is not None:
             first = out[0] if isinstance(out, (tuple, list)) and out else out
             self.trace.append(TraceEntry(str(func.overloadpacket), describe(first), source_line()))
         return out
+
+    def _writes(self, op: Op, args: Any, kwargs: Any) -> None:
+        """The region's op writes in place: the forward's watch, or the recompute's guard.
+
+        (FSDP2's own ops re-gather parameters remat does not pin: see `ModuleState`.)
+        """
+        func = op.func
+        if func.namespace == "fsdp":
+            return
+        tensors = written(func, args, kwargs)
+        if self.watch is not None:
+            self.watch.before_write(tensors)
+        if self.guard is not None:
+            self.guard.before_write(func, tensors)
 
     def _run(self, op: Op, args: Any, kwargs: Any) -> Any:
         func = op.func
@@ -87,3 +109,16 @@ class OpMode(_torch_private.TorchDispatchMode):
     def _passed(self, op: Op, args: Any, kwargs: Any) -> bool:
         """A random op the recompute does not run: whether its draw could be left out."""
         return self.replay is None or self.replay.skip(op.func, args, kwargs)
+
+
+class GuardedOpMode(OpMode):
+    """`OpMode` for a watched forward or a guarded recompute with nothing else to do per op:
+    the first calls of a region, which may run compiled code. Dynamo then runs this
+    mode's handler as it is, rather than trace into it (torch's default for modes)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    # Its own entry, which torch wraps so that Dynamo does not trace it (`__init_subclass__`).
+    __torch_dispatch__ = OpMode.__torch_dispatch__

@@ -22,7 +22,7 @@ import optree
 import torch
 
 from . import _functorch, _introspect, _torch_private
-from ._dispatch import OpMode, quiet
+from ._dispatch import GuardedOpMode, OpMode, quiet
 from ._errors import (
     RecomputeError,
     TraceEntry,
@@ -33,7 +33,7 @@ from ._errors import (
     node_op,
 )
 from ._keep import Keeper, Replayer, Restart
-from ._modules import ModuleState
+from ._modules import ModuleState, WriteGuard
 from ._policies import Policy
 from ._rng import RngCapture, RngLend, threaded
 
@@ -274,6 +274,7 @@ class _Setting:
         "rng",
         "threaded",
         "trace",
+        "watching",
     )
 
     def __init__(
@@ -295,18 +296,30 @@ class _Setting:
         self.trace: list[TraceEntry] | None = [] if debugging() else None
         # Other threads may draw from the shared generators: capture per random op.
         self.threaded = preserve_rng and threaded()
+        # The first forward of a module or function in a training mode: see `ModuleState`.
+        self.watching = modules is not None and modules.watching
+
+    def per_op(self) -> bool:
+        """Whether the forward sees each op to do something with it: a per-op policy,
+        `remat.debug`, or other threads alive (random numbers are then captured per op)."""
+        return self.keeper is not None or self.trace is not None or self.threaded
 
     def moded(self, recompute: bool = False) -> bool:
         """Whether the forward (or a recompute now) runs under remat's dispatch mode.
 
-        The forward does for a per-op policy, `remat.debug`, or other threads alive
-        (random numbers are then captured per op); a recompute also does whenever
-        other threads are alive now, as lending RNG states to shared generators is
-        safe only while no other thread draws.
+        The forward does if it works per op, or if it is watched (its writes are
+        watched, and its recompute's guarded); a recompute also does whenever other
+        threads are alive now, as lending RNG states to shared generators is safe only
+        while no other thread draws.
         """
-        if self.keeper is not None or self.trace is not None or self.threaded:
+        if self.per_op() or self.watching:
             return True
         return recompute and self.rng is not None and threaded()
+
+    def mode_type(self) -> type[OpMode]:
+        """`OpMode` where the mode works per op; otherwise (a region's first calls, which
+        may run compiled code) `GuardedOpMode`, whose handler Dynamo does not trace."""
+        return OpMode if self.per_op() else GuardedOpMode
 
     def recreate(
         self,
@@ -348,11 +361,15 @@ class _Setting:
         replay = None
         if self.rng is not None:
             if moded:
-                replay = stack.enter_context(self.rng.replay(per_op=self.moded()))
+                replay = stack.enter_context(self.rng.replay(per_op=self.per_op()))
             else:
                 stack.enter_context(RngLend(self.rng.lendable()))
         if moded:
-            stack.enter_context(OpMode(replay=replay, replayer=replayer, trace=trace))
+            # A per-op policy's recompute runs under the mode anyway: always guarded.
+            guarded = self.watching or replayer is not None
+            guard = WriteGuard([copy for copy, _, _ in copies]) if guarded else None
+            mode = self.mode_type()(replay=replay, replayer=replayer, trace=trace, guard=guard)
+            stack.enter_context(mode)
         return call, pack
 
 
@@ -404,8 +421,12 @@ class Region:
         setting = self.setting
         moded = setting.moded()
         if moded:
-            self.mode = OpMode(capture=setting.rng, keeper=self.keeper, trace=setting.trace)
-        rng = None if moded else setting.rng  # no mode: read generators around
+            watch = setting.modules if setting.watching else None
+            capture = setting.rng if setting.per_op() else None
+            self.mode = setting.mode_type()(
+                capture=capture, keeper=self.keeper, trace=setting.trace, watch=watch
+            )
+        rng = None if setting.per_op() else setting.rng  # not per op: read generators around
         if rng is not None:
             rng.start(setting.generators)
         closures = self.levels.watch_closures(self.tensors)

@@ -33,7 +33,7 @@ from . import _budget, _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
-__all__ = ["Keeper", "Op", "Replayer", "Restart", "op_info"]
+__all__ = ["Keeper", "Op", "Replayer", "Restart", "op_info", "written"]
 
 
 class Restart(BaseException):
@@ -91,12 +91,13 @@ class Op:
     Signatures and tables hold these rather than the overloads, which hash in Python.
     """
 
-    __slots__ = ("func", "kind", "mutable", "random", "transparent", "view")
+    __slots__ = ("func", "kind", "mutable", "random", "transparent", "view", "writes")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held: the cache's key is its id
         self.random = is_random(func)
         self.mutable = func._schema.is_mutable
+        self.writes = self.mutable or func in _UNDECLARED_WRITES  # see `written`
         self.view = func.is_view
         # Its output is its input's value: provenance passes through it (autograd adds
         # and drops detaches between one run and the next).
@@ -450,7 +451,7 @@ class Keeper:
         # Versions go up once an in-place op returns: a step's own count from then.
         if target._version - made.made_at != (made.op in self.steps):
             return False
-        if any(t is not target for t in _written(op.func, args, {})):
+        if any(t is not target for t in written(op.func, args, {})):
             return False
         self.steps[len(self.ops) - 1] = made.op
         return True
@@ -902,7 +903,7 @@ class Replayer:
         """
         if func.namespace == "fsdp":
             return True
-        for t in _written(func, args, kwargs):
+        for t in written(func, args, kwargs):
             if t.layout != torch.strided:
                 return False
             storage = t.untyped_storage()
@@ -940,13 +941,11 @@ class Replayer:
     def stand_in(self, copy: torch.Tensor, original: torch.Tensor, version: int) -> None:
         """``copy`` is what the forward read as ``original`` at ``version``.
 
-        The ops see them as plain tensors, below any torch.func wrappers (a module's
-        buffers are wrapped when ``functional_call`` passes them under a transform); a
-        wrapper counts versions of its own, which move with the plain tensor's.
+        All three as the ops see them: plain tensors, below any torch.func wrappers (under a
+        transform, ``functional_call`` passes a module's buffers wrapped).
         """
-        inner = _torch_private.unwrap_all(original)
-        version += inner._version - original._version
-        self.provenance.alias(_torch_private.unwrap_all(copy), ("outside", id(inner), version))
+        plain = _torch_private.unwrap_all
+        self.provenance.alias(plain(copy), ("outside", id(plain(original)), version))
 
     def _match(self, signature: Any) -> int | None:
         try:
@@ -1012,8 +1011,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor)]
 
 
-def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors an op writes in place, by its schema."""
+# Batch norm kernels that update the running statistics (arguments 3 and 4) in training
+# (argument 5), which their schemas do not declare (nor does autograd count a version).
+_UNDECLARED_WRITES = frozenset(
+    {aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default}
+)
+
+
+def written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an op writes in place, by its schema (and `_UNDECLARED_WRITES`)."""
+    if func in _UNDECLARED_WRITES:
+        return _tensors(list(args[3:5])) if args[5] else []
     written: list[torch.Tensor] = []
     for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is not None and argument.alias_info.is_write:

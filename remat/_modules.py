@@ -44,24 +44,35 @@ import torch
 from torch import nn
 
 from . import _torch_private
-from ._errors import RecomputeError, changed_since_forward
+from ._errors import RecomputeError, changed_since_forward, describe_meta, source_line
 
-__all__ = ["ModuleState", "Reached", "reachable"]
-
-# Per module (or what learns about a region's inputs, see `_owner`) and training flag:
-# names of its tensors some region's forward updated in place. By flag, as batch
-# norm updates its statistics in training only.
-_UPDATED: weakref.WeakKeyDictionary[Any, dict[bool | None, set[str]]] = weakref.WeakKeyDictionary()
+__all__ = ["ModuleState", "Reached", "WriteGuard", "reachable"]
 
 
-def _learned(owner: Any) -> set[str] | None:
-    """What forwards of ``owner`` in its current training mode were seen to update."""
-    return _UPDATED.get(owner, {}).get(getattr(owner, "training", None))
+class _Learned:
+    """What the watched forwards of one module (or owner, see `_owner`) showed, in one
+    training mode (batch norm updates its statistics in training only)."""
+
+    __slots__ = ("seen", "updated")
+
+    def __init__(self) -> None:
+        self.updated: set[str] = set()  # names of its tensors a forward updated in place
+        # For an owner: the objects its forwards reached that remat does not look into
+        # (`Reached.opaque`), by identity, in the calls it watched.
+        self.seen: set[tuple[int, ...]] = set()
 
 
-def _learning(owner: Any) -> set[str]:
-    """The same set, made if needed, for a forward to add to."""
-    return _UPDATED.setdefault(owner, {}).setdefault(getattr(owner, "training", None), set())
+_LEARNED: weakref.WeakKeyDictionary[Any, dict[bool | None, _Learned]] = weakref.WeakKeyDictionary()
+
+
+def _learned(owner: Any) -> _Learned | None:
+    """What forwards of ``owner`` in its current training mode were seen to do, if any."""
+    return _LEARNED.get(owner, {}).get(getattr(owner, "training", None))
+
+
+def _learning(owner: Any) -> _Learned:
+    """The same record, made if needed, for a forward to add to."""
+    return _LEARNED.setdefault(owner, {}).setdefault(getattr(owner, "training", None), _Learned())
 
 
 def _fsdp_types() -> tuple[type | None, type | None]:
@@ -78,6 +89,8 @@ def _fsdp_types() -> tuple[type | None, type | None]:
 class Reached(NamedTuple):
     modules: list[nn.Module]
     generators: list[torch.Generator]
+    tensors: list[torch.Tensor]  # reached by reference: not the arguments
+    opaque: list[int]  # ids of the other objects reached, whose attributes are not searched
 
 
 def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
@@ -90,16 +103,18 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
     (``modules()``); other objects' attributes are searched only for the object a method is
     bound to or that is called.
     """
-    reached = Reached([], [])
+    reached = Reached([], [], [], [])
     seen: set[int] = set()
-    stack: list[Any] = [fn, *leaves]
+    stack: list[Any] = [fn, *(leaf for leaf in leaves if not isinstance(leaf, torch.Tensor))]
     while stack:
         obj = stack.pop()
         kind = type(obj)
         if kind in _ATOMS or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if kind is torch.Generator:  # isinstance goes through a slow metaclass
+        if kind is torch.Tensor or kind is nn.Parameter:
+            reached.tensors.append(obj)
+        elif kind is torch.Generator:  # isinstance goes through a slow metaclass
             reached.generators.append(obj)
         elif isinstance(obj, nn.Module):
             reached.modules.append(obj)
@@ -111,11 +126,13 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
             stack.extend([obj.func, *obj.args, *obj.keywords.values()])
         elif callable(obj) and not isinstance(obj, (type, torch.Tensor)):
             stack.extend(_callable_parts(obj))
+        else:
+            reached.opaque.append(id(obj))
     return reached
 
 
 # Leaves that hold nothing to find: skipped first (most arguments are these).
-_ATOMS = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, bytes, type(None)})
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def _callable_parts(fn: Any) -> list[Any]:
@@ -158,6 +175,25 @@ class _Slot(NamedTuple):
     name: str
     tensor: torch.Tensor
     version: int
+    memory: int  # where its data lay at entry: assigning ``.data`` moves it, with no version bump
+
+
+def _memory(t: torch.Tensor) -> int:
+    """Where ``t``'s data lies (the plain tensor's, under torch.func wrappers); -1 if nowhere."""
+    try:
+        return int(_torch_private.unwrap_all(t).data_ptr())
+    except RuntimeError:  # no storage (a tensor subclass, a sparse tensor)
+        return -1
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which memory ``t`` is a view of (0: none, or empty)."""
+    if t.layout != torch.strided:
+        return 0
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass with no storage of its own
+        return 0
 
 
 def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
@@ -183,99 +219,186 @@ def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
 
 
 class ModuleState:
-    """The parameter and buffer slots of some modules, as the region's forward saw them."""
+    """The parameter and buffer slots of some modules, as the region's forward saw them.
 
-    __slots__ = ("ended", "generators", "lost", "sharded", "slots", "snapshots")
+    Also the region's inputs that do not require grad, and the tensors ``fn`` reaches by
+    reference (`loose`), whose versions tell whether the forward wrote them.
+    """
 
-    def __init__(
-        self,
-        slots: list[_Slot],
-        snapshots: dict[int, torch.Tensor],
-        gens: list[Any],
-        sharded: list[_Slot],
-    ):
-        self.slots = slots
-        self.snapshots = snapshots  # slot index -> value at entry
-        self.generators = gens  # explicit torch.Generators kept as module attributes
-        self.sharded = sharded  # FSDP2's sharded parameters, for their versions only
+    __slots__ = (
+        "before",
+        "ended",
+        "generators",
+        "learners",
+        "loose",
+        "lost",
+        "opaque",
+        "settled",
+        "sharded",
+        "slots",
+        "snapshots",
+        "taken",
+        "watching",
+        "written",
+    )
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.snapshots: dict[int, torch.Tensor] = {}  # slot index -> value before the forward
+        self.generators: list[Any] = []  # explicit torch.Generators kept as module attributes
+        self.sharded: list[_Slot] = []  # FSDP2's sharded parameters, for their versions only
+        # Reached by reference, and their versions (at entry, then when the forward ended).
+        self.loose: list[tuple[torch.Tensor, int]] = []
+        # A watched forward (the first of some module or owner in this training mode): what
+        # learns from it, the slots' memory at entry, and the slots it wrote (`before_write`).
+        self.watching = False
+        self.learners: list[Any] = []
+        self.opaque: tuple[Any, tuple[int, ...]] | None = None  # (owner, `Reached.opaque`)
+        self.before: dict[int, torch.Tensor] = {}
+        self.taken: set[int] = set()
+        self.settled = False  # the forward ended
         self.ended: list[int] = []  # slot index -> version when the forward ended
         self.lost: list[_Slot] = []  # updated by the forward, with no snapshot
+        self.written: list[torch.Tensor] = []  # loose tensors the forward wrote
 
     @classmethod
     def capture(
-        cls, fn: Callable[..., Any], modules: list[nn.Module], inputs: list[torch.Tensor]
+        cls, fn: Callable[..., Any], reached: Reached, inputs: list[torch.Tensor]
     ) -> ModuleState | None:
-        slots: list[_Slot] = []
-        snapshots: dict[int, torch.Tensor] = {}
+        """The state of a region about to run: slots, and snapshots of what it updates.
+
+        A slot is snapshotted at entry once a forward was seen to update it. A forward is
+        watched instead (`before_write`), so nothing is copied that it does not write, and
+        its recompute is guarded (`WriteGuard`), when it is the first of a module, or of
+        the owner, in its training mode, or the first of the owner to reach the objects it
+        reaches whose attributes remat does not search (`Reached.opaque`).
+        """
+        state = cls()
         owner = _owner(fn)
         learned = _learned(owner)
+        opaque = tuple(reached.opaque)
+        inputs_updated = learned.updated if learned is not None else None
         for i, x in enumerate(inputs):
             name = f"input {i}"
-            if x.requires_grad or (learned is not None and name not in learned):
+            if x.requires_grad or (inputs_updated is not None and name not in inputs_updated):
                 continue
             if _torch_private.unwrap_all(x) is x:  # not under torch.func
-                snapshots[len(slots)] = x.detach().clone()
-                slots.append(_Slot(owner, None, name, x, x._version))
-        if not modules and not slots:
-            return None
-        generators: list[Any] = []
-        sharded: list[_Slot] = []
-        submodules = _submodules(modules)
+                if inputs_updated is not None:
+                    state.snapshots[len(state.slots)] = x.detach().clone()
+                state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
+        unlearned = [] if learned is not None and opaque in learned.seen else [owner]
+        submodules = _submodules(reached.modules)
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         for sub in submodules:
             # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
-            generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
-            updated = _learned(sub)
+            state.generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
+            record = _learned(sub)
+            if record is None and (sub._parameters or sub._buffers):
+                unlearned.append(sub)
             for table in (sub._parameters, sub._buffers):
                 for name, t in table.items():
                     if t is None:
                         continue
                     if table is sub._parameters and id(sub) in owned:
                         if dtensor is not None and isinstance(t, dtensor):
-                            sharded.append(_Slot(sub, table, name, t, t._version))
+                            state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
                         continue
-                    first = updated is None and table is sub._buffers
-                    if first or (updated is not None and name in updated):
+                    if record is not None and name in record.updated:
                         with torch.no_grad():
-                            snapshots[len(slots)] = t.detach().clone()
-                    slots.append(_Slot(sub, table, name, t, t._version))
-        return cls(slots, snapshots, generators, sharded)
+                            state.snapshots[len(state.slots)] = t.detach().clone()
+                    state.slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
+        known = {id(slot.tensor) for slot in state.slots}.union(map(id, inputs))
+        state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
+        if unlearned:
+            state.watching, state.learners, state.opaque = True, unlearned, (owner, opaque)
+            with _torch_private.functorch_cleared():  # plain aliases, outside any level
+                state.before = {
+                    i: _torch_private.unwrap_all(slot.tensor).detach()
+                    for i, slot in enumerate(state.slots)
+                }
+        if not (state.slots or state.loose or state.watching or state.sharded):
+            return None
+        return state
+
+    def before_write(self, written: list[torch.Tensor]) -> None:
+        """A watched forward is about to write ``written``: snapshot the slots they show."""
+        for t in written:
+            memory = _storage(t)
+            if not memory:
+                continue
+            for i, before in self.before.items():
+                if i not in self.snapshots and _storage(before) == memory:
+                    with torch.no_grad():
+                        self.snapshots[i] = before.clone()
+                    self.taken.add(i)
 
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
+        self.settled = True
         self.ended = [slot.tensor._version for slot in self.slots]
         for i, slot in enumerate(self.slots):
-            updated = _learning(slot.module)
-            snapshot = self.snapshots.get(i)
-            # Some kernels (batch norm's running statistics) write without a version bump.
-            same = self.ended[i] == slot.version and (
-                snapshot is None or torch.equal(snapshot, slot.tensor)
-            )
-            replaced = slot.table is not None and slot.table.get(slot.name) is not slot.tensor
-            if same or replaced:
+            t = slot.tensor
+            if slot.table is not None and slot.table.get(slot.name) is not t:  # replaced
                 self.snapshots.pop(i, None)
                 continue
-            updated.add(slot.name)
+            moved = _memory(t) != slot.memory  # ``.data`` assigned
+            snapshot = self.snapshots.get(i)
+            if moved and snapshot is None and self.watching:
+                snapshot = self.snapshots[i] = self.before[i]  # the memory it showed before
+            updated = i in self.taken or moved or self.ended[i] != slot.version
+            if not updated and snapshot is not None:
+                # Some kernels (batch norm's running statistics) write without a version bump.
+                updated = not torch.equal(snapshot, t)
+            if not updated:
+                self.snapshots.pop(i, None)
+                continue
+            _learning(slot.module).updated.add(slot.name)
             if i not in self.snapshots:
                 self.lost.append(slot)
+        for learner in self.learners:
+            _learning(learner)
+        if self.opaque is not None:
+            owner, opaque = self.opaque
+            seen = _learning(owner).seen
+            if len(seen) > 64:  # an owner that reaches new objects at every call
+                seen.clear()
+            seen.add(opaque)
+        self.before, self.taken = {}, set()
+        self.written = [t for t, version in self.loose if t._version != version]
+        self.loose = [(t, t._version) for t, _ in self.loose]
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
         """Within the block, every slot shows what the forward read from it.
 
-        Yields the private copies, (copy, the forward's tensor, its version then): it
-        puts those of module slots in; the region passes those of its inputs.
+        Yields the private copies, (copy, the forward's tensor, the version of its plain
+        tensor then): it
+        puts those of module slots in; the region passes those of its inputs. A copy
+        requires grad as the tensor it stands for did, so the recompute records (and
+        saves) what the forward did.
         """
         for slot in self.lost:
+            raise _lost(slot)
+        for loose in self.written:
+            layout = describe_meta(loose.shape, loose.dtype, loose.device)
             raise RecomputeError(
-                f"`remat`: the forward updated module tensor `{slot.name}` of "
-                f"{type(slot.module).__name__} in place, and remat had not kept its value from "
-                "before the forward, so the recompute cannot read what the forward read. This "
-                "happens the first time a region's forward updates a parameter (buffers are "
-                "always kept the first time); later calls keep it. Update it outside `fn`, "
-                "or run one step before training."
+                f"`remat`: the forward updated in place a tensor `fn` reaches by reference "
+                f"({layout}: a closure variable, a global, a "
+                "default or a container's element), which is neither an argument of `fn` nor "
+                "a parameter or buffer of a module `fn` reaches. The recompute would update it "
+                "a second time and read the updated value. Keep such state in a buffer of a "
+                "module `fn` reaches (`register_buffer`), or pass it to `fn` as an argument."
             )
+        for loose, version in self.loose if self.settled else ():
+            if loose._version != version:
+                layout = describe_meta(loose.shape, loose.dtype, loose.device)
+                raise changed_since_forward(
+                    f"a tensor `fn` reaches by reference ({layout})",
+                    version,
+                    loose._version,
+                    "Modify it after the backward, or pass it to `fn` as an argument.",
+                )
         for slot in self.sharded:
             if slot.tensor._version != slot.version:
                 raise changed_since_forward(
@@ -288,15 +411,27 @@ class ModuleState:
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i, slot in enumerate(self.slots):
             snapshot = self.snapshots.get(i)
+            if snapshot is None and self.before and _memory(slot.tensor) != slot.memory:
+                snapshot = self.before[i]  # inside a watched forward, after a `.data` assignment
             if snapshot is not None:
                 with torch.no_grad():
                     copy = snapshot.clone()
+                plain = _torch_private.unwrap_all(copy)
+                if slot.tensor.requires_grad and plain is copy:
+                    copy.requires_grad_()
+                # The copy counts versions from where the forward's plain tensor did, so its
+                # views and ``.data`` aliases count theirs as the forward's did.
+                version = _torch_private.unwrap_all(slot.tensor)._version
+                version -= slot.tensor._version - slot.version  # (a wrapper's count moves along)
+                _torch_private.set_version(plain, version)
                 if slot.table is not None:
                     swaps.append((slot.table, slot.name, copy))
-                copies.append((copy, slot.tensor, slot.version))
+                copies.append((copy, slot.tensor, version))
                 continue
             if slot.table is None:  # an input: the region checks its version itself
                 continue
+            if not self.settled and _memory(slot.tensor) != slot.memory:
+                raise _lost(slot)  # ``.data`` assigned, in a forward not watched yet
             current = slot.table.get(slot.name)
             if self.ended and self.ended[i] == slot.version and current is not slot.tensor:
                 swaps.append((slot.table, slot.name, slot.tensor))
@@ -315,3 +450,48 @@ class ModuleState:
         finally:
             for table, name, t in previous:
                 table[name] = t
+
+
+def _lost(slot: _Slot) -> RecomputeError:
+    return RecomputeError(
+        f"`remat`: the forward updated module tensor `{slot.name}` of "
+        f"{type(slot.module).__name__} in place, which earlier calls of the region did not do, "
+        "so remat had not kept its value from before the forward, and the recompute cannot "
+        "read what the forward read. Later calls keep it; update it outside `fn`, or make the "
+        "update happen on the region's first call."
+    )
+
+
+class WriteGuard:
+    """The recompute of a watched forward: refuses to write memory it did not make.
+
+    Memory from before the recompute that it may write: the private copies `pinned`
+    made. Any other write would repeat one the forward made to state remat cannot show
+    the recompute as it was (a tensor reached in a way `reachable` does not follow).
+    """
+
+    __slots__ = ("local",)
+
+    def __init__(self, copies: list[torch.Tensor]) -> None:
+        self.local = {_storage(_torch_private.unwrap_all(c)) for c in copies}
+
+    def made(self, out: Any) -> None:
+        """The outputs of one op of the recompute."""
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.local.add(_storage(t))
+
+    def before_write(self, func: Any, written: list[torch.Tensor]) -> None:
+        for t in written:
+            memory = _storage(t)
+            if memory and memory not in self.local:
+                raise RecomputeError(
+                    f"`remat`: the recompute writes in place, with {func.overloadpacket} at "
+                    f"{source_line()}, a tensor ({describe_meta(t.shape, t.dtype, t.device)}) "
+                    "that existed before it and that remat gave it no private copy of: the "
+                    "forward wrote it already (state held where remat does not look), or the "
+                    "recompute writes what the forward did not. Keep state that `fn` updates "
+                    "in a buffer of a module `fn` reaches (remat follows closures, globals, "
+                    "defaults, partials, bound methods and containers), or pass it to `fn` "
+                    "as an argument."
+                )

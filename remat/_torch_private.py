@@ -62,6 +62,7 @@ __all__ = [
     "is_aten_op",
     "flops",
     "watch_storage_resizes",
+    "set_version",
     "TorchDispatchMode",
 ]
 
@@ -531,3 +532,13 @@ def rewraps_outputs(t: torch.Tensor) -> bool:
 
 
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def set_version(t: torch.Tensor, version: int) -> None:
+    """Set the version counter of ``t``, a private copy no one else holds.
+
+    A copy that stands for another tensor in a recompute must count versions from where
+    that tensor did (its views share the count, its ``.data`` aliases start their own);
+    torch has no public way to set a count.
+    """
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))

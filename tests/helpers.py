@@ -304,9 +304,10 @@ class Params(NamedTuple):
     """The closure of a built program.
 
     ``cache`` is filled by its cached ops' first call; ``buffers`` are the state tensors of
-    its buffer_update ops, each a buffer of the module ``state`` (the op at hand's), read
-    through it as a model reads its buffers; ``holders`` are those modules. ``generator`` is
-    the program's own, for random ops that pass ``generator=``.
+    its buffer_update ops, a buffer and a parameter of the module ``state`` (the op at
+    hand's), read through it as a model reads them; ``holders`` are those modules, in a
+    plain list: regions reach them only through containers (this list, and this tuple).
+    ``generator`` is the program's own, for random ops that pass ``generator=``.
     """
 
     w: torch.Tensor
@@ -315,13 +316,13 @@ class Params(NamedTuple):
     beta: torch.Tensor
     cache: dict[str, torch.Tensor]
     buffers: list[torch.Tensor]
-    holders: torch.nn.ModuleList
+    holders: list[torch.nn.Module]
     generator: torch.Generator
     state: torch.nn.Module | None = None
 
     @property
     def trainable(self) -> list[torch.Tensor]:
-        return [self.w, self.gamma, self.beta]
+        return [self.w, self.gamma, self.beta, *(h.scale for h in self.holders)]
 
 
 def make_params(n: int, seed: int, device: str = "cpu") -> Params:
@@ -335,7 +336,7 @@ def make_params(n: int, seed: int, device: str = "cpu") -> Params:
         beta.requires_grad_(),
         {},
         [],
-        torch.nn.ModuleList(),
+        [],
         torch.Generator(device).manual_seed(seed + 1),
     )
 
@@ -427,11 +428,21 @@ def _cached(a: torch.Tensor, how: str, p: Params) -> torch.Tensor:
     return a.masked_fill(mask == 0, 0.0) if how == "masked_fill" else a * mask
 
 
-def _buffer_update(a: torch.Tensor, how: str, p: Params) -> torch.Tensor:
-    assert p.state is not None
+def _buffer_update(a: torch.Tensor, param: tuple[str, str], p: Params) -> torch.Tensor:
+    """``a`` plus (or times) module state the op updates first: its buffer in place or by
+    ``.data`` assignment, or its parameter in place (then read, as ``nn.Embedding``'s
+    ``max_norm`` does)."""
+    how, update = param
+    holder = p.state
+    assert holder is not None
+    mean = a.detach().mean()
     with torch.no_grad():
-        p.state.ema.mul_(0.5).add_(a.detach().mean())
-    return a + p.state.ema if how == "add" else a * p.state.ema
+        if update == "data":
+            holder.ema.data = holder.ema.data * 0.5 + mean
+        else:
+            (holder.scale if update == "parameter" else holder.ema).mul_(0.5).add_(mean)
+    state = holder.scale if update == "parameter" else holder.ema
+    return a + state if how == "add" else a * state
 
 
 _INPUT_STEPS: dict[str, Callable[[torch.Tensor, Params], Any]] = {
@@ -525,11 +536,12 @@ def _compile_one(op: Op | Block, params: Params, wrap: Callable[..., Any]) -> St
         sub = wrap(block)
         return lambda pool: pool.append(sub(*(pool[i] for i in op.args)))
     run = _OPS[op.kind]
-    if op.kind == "buffer_update":  # each such op owns a module with a state buffer
+    if op.kind == "buffer_update":  # each such op owns a module with its state
         holder = torch.nn.Module()
         holder.register_buffer("ema", params.c.clone())
+        holder.scale = torch.nn.Parameter(params.gamma.detach().clone())
         params.holders.append(holder)
-        params.buffers.append(holder.ema)
+        params.buffers.extend([holder.ema, holder.scale])
         params = params._replace(state=holder)
     return lambda pool: pool.append(run([pool[i] for i in op.args], op.param, params))
 
@@ -626,7 +638,8 @@ def _param(draw: st.DrawFn, kind: str, n: int) -> Any:
     if kind == "cached":
         return draw(st.sampled_from(("masked_fill", "mul")))
     if kind == "buffer_update":
-        return draw(st.sampled_from(("add", "mul")))
+        how = draw(st.sampled_from(("add", "mul")))
+        return how, draw(st.sampled_from(("in_place", "data", "parameter")))
     if kind == "inplace":
         view = draw(st.sampled_from(VIEWS))
         chain = draw(st.lists(st.sampled_from(CHAIN_STEPS), min_size=1, max_size=3))

@@ -99,13 +99,19 @@ def test_module_passed_as_fn_is_pinned() -> None:
         y.backward()
 
 
-def test_plain_closure_tensor_changed_in_place_is_not_detected() -> None:
-    """A plain closure tensor changed between forward and backward is read again, unchecked."""
-    scale = torch.full((3,), 2.0)
+def test_object_attribute_changed_in_place_is_not_detected() -> None:
+    """A tensor read as an attribute of an object that is not a module (nor a method's owner)
+    changed between forward and backward is read again, unchecked."""
+
+    class Config:
+        pass
+
+    config = Config()
+    config.scale = torch.full((3,), 2.0)  # type: ignore[attr-defined]
     x = torch.randn(3, requires_grad=True)
-    y = rematerialize(lambda x: (x * scale).exp())(x).sum()
-    expected = (scale * (x * scale).exp()).detach()
-    scale.mul_(2)
+    y = rematerialize(lambda x: (x * config.scale).exp())(x).sum()  # type: ignore[attr-defined]
+    expected = (config.scale * (x * config.scale).exp()).detach()  # type: ignore[attr-defined]
+    config.scale.mul_(2)  # type: ignore[attr-defined]
     y.backward()
     assert not torch.allclose(x.grad, expected), STALE
 
@@ -150,7 +156,8 @@ def test_nested_region_under_torch_func_keeps_inner_inputs() -> None:
 def test_recompute_without_a_dispatch_mode_lends_the_forward_rng_state(
     policy: str, lent: bool
 ) -> None:
-    """The default policy lends the forward's state during the recompute; per-op policies do not."""
+    """The default policy lends the forward's state during the recompute (after a region's
+    watched first call); per-op policies do not."""
     seen: list[torch.Tensor] = []
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +165,10 @@ def test_recompute_without_a_dispatch_mode_lends_the_forward_rng_state(
         return torch.nn.functional.dropout(x, 0.5).exp()
 
     x = torch.randn(8, requires_grad=True)
-    y = rematerialize(fn, policy=policy)(x).sum()
+    region = rematerialize(fn, policy=policy)
+    region(x).sum().backward()  # the watched first call replays on clones
+    seen.clear()
+    y = region(x).sum()
     caller = torch.get_rng_state()
     y.backward()
     assert len(seen) == 2

@@ -11,6 +11,7 @@ globals, partials and objects, under every policy, in eager mode and under
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -134,7 +135,8 @@ def _train_eager(net: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]
         opt.zero_grad()
         out = forward(_batch(step))
         out.sin().sum().backward()
-        history.append((out, {n: p.grad.clone() for n, p in net.named_parameters()}))
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+        history.append((out, grads))
         opt.step()
     return history, {k: v.clone() for k, v in net.state_dict().items()}
 
@@ -218,3 +220,215 @@ def test_timm_style_checkpoint_seq():
     plain, kept = _net(), _net()
     expected = _train_eager(plain, plain)
     assert_tree_equal(_train_eager(kept, lambda x: _checkpoint_seq(kept, x, 2)), expected)
+
+
+# State the forward updates in place: parameters (nn.Embedding's max_norm), `.data`
+# assignments and writes through `.data` (a MoCo momentum encoder), from the first step.
+
+
+class _Decay(nn.Module):
+    """A parameter the forward decays in place before it reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6, dtype=DTYPE))
+        self.lin = nn.Linear(6, 2).to(DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.w.mul_(0.99)
+        return self.lin(x @ self.w).tanh()
+
+
+class _Embedding(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it reads, in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 6, max_norm=1.0).to(DTYPE)
+        self.lin = nn.Linear(6, 2).to(DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 3).long().clamp(max=9)[:, 0]
+        return self.lin(self.embedding(ids)).tanh()
+
+
+class _Momentum(nn.Module):
+    """A MoCo-style key encoder, moved toward the query encoder inside the forward."""
+
+    def __init__(self, update: str) -> None:
+        super().__init__()
+        self.query, self.key = nn.Linear(6, 2).to(DTYPE), nn.Linear(6, 2).to(DTYPE)
+        self.key.requires_grad_(False)
+        self.update = update
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for q, k in zip(self.query.parameters(), self.key.parameters(), strict=True):
+                if self.update == "assign_data":
+                    k.data = k.data * 0.9 + q.data * 0.1
+                else:  # in place through `.data`, which no version counter sees
+                    k.data.mul_(0.9).add_(q.data * 0.1)
+        return (self.query(x) * self.key(x)).tanh()
+
+
+class _DataBuffer(nn.Module):
+    """A buffer given new memory by ``.data`` assignment in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 2).to(DTYPE)
+        self.register_buffer("ema", torch.zeros(2, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.ema.data = self.ema.data * 0.5 + out.detach().mean(0)
+        return (out * self.ema).tanh()
+
+
+UPDATED = {
+    "decayed_parameter": _Decay,
+    "embedding_max_norm": _Embedding,
+    "momentum_assign_data": lambda: _Momentum("assign_data"),
+    "momentum_through_data": lambda: _Momentum("through_data"),
+    "buffer_assign_data": _DataBuffer,
+}
+
+
+class _Whole(nn.Module):
+    """A model whose whole forward is one region (or not, with the identity wrap)."""
+
+    def __init__(self, model: nn.Module, wrap: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model, self.wrap = model, wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wrap(self.model)(x)
+
+
+def _updated_model(name: str, wrap: Callable[..., Any]) -> _Whole:
+    torch.manual_seed(0)
+    return _Whole(UPDATED[name](), wrap)
+
+
+@pytest.mark.parametrize("name", UPDATED)
+@each_policy
+def test_state_updated_in_the_forward_trains_as_plain(policy, name):
+    """Parameters and buffers the forward updates in place or through `.data`: plain's
+    outputs, gradients and state over 3 SGD steps, from the first step on."""
+    plain = _updated_model(name, lambda f: f)
+    kept = _updated_model(name, functools.partial(remat.remat, policy=policy))
+    assert_tree_equal(_train_eager(kept, kept), _train_eager(plain, plain))
+
+
+# State a region cannot restore for its recompute raises rather than be updated twice.
+
+SCALE = torch.full((6,), 0.5, dtype=DTYPE)  # a global tensor, as `fn` may read one
+
+
+def _plain_or_raises(run: Callable[[Callable[..., Any]], Any], policy: Any, match: str) -> None:
+    """``run(remat)`` equals ``run(identity)``, or raises `RecomputeError` matching ``match``:
+    never a second update, silently. The default policy, which recomputes everything,
+    must raise."""
+    expected = run(lambda f: f)
+    try:
+        actual = run(functools.partial(remat.remat, policy=policy))
+    except remat.RecomputeError as error:
+        message = str(error)
+    else:
+        assert policy != "save_nothing", "save_nothing recomputes the update: it must raise"
+        assert_tree_equal(actual, expected)
+        return
+    assert re.search(match, message), message
+
+
+def _steps(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], state: Any) -> Any:
+    w = torch.randn(6, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    w.requires_grad_()
+    history = []
+    for step in range(3):
+        out = fn(_batch(step), w)
+        out.sin().sum().backward()
+        history.append((out, w.grad.clone()))
+    return history, state
+
+
+def _reached_by_reference(reach: str, first: int) -> Callable[..., Any]:
+    """A function that updates a tensor it reaches as ``reach`` says, from step ``first``."""
+    ema = torch.zeros(6, dtype=DTYPE)
+    holder = {"list": [ema], "closure": ema, "default": ema}[reach]
+    calls: list[None] = []
+
+    def update(
+        x: torch.Tensor, w: torch.Tensor, ema: Any = holder if reach == "default" else None
+    ) -> torch.Tensor:
+        state = holder[0] if reach == "list" else holder
+        calls.append(None)
+        if len(calls) > first:  # (the recompute counts as a call)
+            with torch.no_grad():
+                state.mul_(0.5).add_(x.mean(0))
+        return (x @ w * state).tanh()
+
+    return update, ema
+
+
+@pytest.mark.parametrize("first", [0, 2], ids=["every_call", "from_the_second_step"])
+@pytest.mark.parametrize("reach", ["closure", "list", "default"])
+@each_policy
+def test_tensor_reached_by_reference_and_updated_in_fn_raises(policy, reach, first):
+    """A plain tensor `fn` updates in place (not a module's, not an argument) raises, naming it."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        update, ema = _reached_by_reference(reach, first)
+        return _steps(wrap(update), ema)
+
+    _plain_or_raises(run, policy, "reaches by reference")
+
+
+@each_policy
+def test_global_tensor_changed_between_forward_and_backward_raises(policy):
+    """A global tensor `fn` reads, modified before the backward, raises rather than be read."""
+
+    def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w * SCALE).tanh()
+
+    x, w = _batch(0), torch.ones(6, 6, dtype=DTYPE, requires_grad=True)
+    out = remat.remat(scaled, policy=policy)(x, w).sum()
+    before = SCALE.clone()
+    try:
+        SCALE.mul_(2)
+        keeps_everything = remat.remat(scaled, policy=policy).policy.keeps_everything
+        match = "modified by an inplace" if keeps_everything else "reaches by reference"
+        with pytest.raises(RuntimeError, match=match):  # (no region: autograd's own check)
+            out.backward()
+    finally:
+        SCALE.copy_(before)
+
+
+class _Statistics:
+    """Not a module: running statistics held as an object's attributes."""
+
+    def __init__(self) -> None:
+        self.mean, self.var = torch.zeros(6, dtype=DTYPE), torch.ones(6, dtype=DTYPE)
+
+
+@pytest.mark.parametrize("kernel", ["batch_norm", "add_"])
+@each_policy
+def test_state_written_where_remat_cannot_reach_raises(policy, kernel):
+    """A tensor held where remat does not look (an object's attribute), written in place by
+    the forward, makes the recompute raise, naming the op: no second update."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        stats = _Statistics()
+
+        def normed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            h = x @ w
+            if kernel == "batch_norm":
+                return torch.nn.functional.batch_norm(h, stats.mean, stats.var, training=True)
+            with torch.no_grad():
+                stats.mean.add_(h.mean(0))
+            return (h * stats.mean).tanh()
+
+        return _steps(wrap(normed), stats.__dict__)
+
+    _plain_or_raises(run, policy, "existed before it")

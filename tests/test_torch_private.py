@@ -642,3 +642,14 @@ def test_flops_reads_torch_flop_counter_formulas():
     assert tp.flops(torch.ops.aten.mm.default, (a, b), {}, out) == counter.get_total_flops() == 120
     assert tp.flops(torch.ops.aten.sin.default, (a,), {}, a.sin()) == 0
     assert tp.flops(torch.ops.aten.mm.default, (a,), {}, out) == 0  # a formula that cannot apply
+
+
+def test_set_version_sets_the_count_views_share_and_data_does_not():
+    """`set_version` sets a tensor's version count; its views share it, `.data` has its own."""
+    t = torch.zeros(3)
+    tp.set_version(t, 7)
+    view = t.detach()
+    data = t.data
+    assert (t._version, view._version, data._version) == (7, 7, 0)
+    view.add_(1)
+    assert (t._version, data._version) == (8, 0)
