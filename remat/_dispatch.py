@@ -3,7 +3,7 @@
 It sees every aten op the region runs and does, per op, what is switched on:
 RNG capture (forward) or replay (recompute), the policy's bookkeeping (forward)
 or the verified replay of kept values (recompute), and the `remat.debug` trace.
-Ops that remat itself issues from its hooks are marked `quiet` and pass straight
+Ops that remat itself issues from its hooks are marked `QUIET` and pass straight
 through, and so do the ops of a region's own recompute started inside its forward
 (an ``autograd.grad`` in ``fn``): the forward records only ``fn``'s ops.
 """
@@ -15,16 +15,16 @@ from typing import Any
 
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
-from ._keep import Keeper, Op, Replayer, op_info, written
+from ._keep import _OPS, Keeper, Op, Replayer, op_info, written
 from ._modules import ModuleState, WriteGuard
 from ._rng import RngCapture, RngReplay
 
-__all__ = ["GuardedOpMode", "OpMode", "quiet"]
+__all__ = ["QUIET", "GuardedOpMode", "OpMode"]
 
 _local = threading.local()
 
 
-class quiet:  # noqa: N801 - a context manager, like torch.no_grad
+class _Quiet:
     """Ops run inside are remat's own: no region records, replays or traces them."""
 
     __slots__ = ()
@@ -34,6 +34,9 @@ class quiet:  # noqa: N801 - a context manager, like torch.no_grad
 
     def __exit__(self, *exc: object) -> None:
         _local.quiet -= 1
+
+
+QUIET = _Quiet()  # one for all: the count lives in the thread
 
 
 class OpMode(_torch_private.TorchDispatchMode):
@@ -66,7 +69,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused or getattr(_local, "quiet", 0):
             return func(*args, **kwargs)
-        op = op_info(func)
+        op = _OPS.get(id(func)) or op_info(func)
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
         if self.replayer is not None:
@@ -75,7 +78,7 @@ class OpMode(_torch_private.TorchDispatchMode):
             out = self._run(op, args, kwargs)
             if self.keeper is not None:
                 self.keeper.after(op, args, kwargs, out)
-        if self.guard is not None:
+        if self.guard is not None and self.replayer is None:
             self.guard.made(out)
         if self.trace is not None:
             first = out[0] if isinstance(out, (tuple, list)) and out else out

@@ -22,7 +22,7 @@ import optree
 import torch
 
 from . import _functorch, _introspect, _torch_private
-from ._dispatch import GuardedOpMode, OpMode, quiet
+from ._dispatch import QUIET, GuardedOpMode, OpMode
 from ._errors import (
     RecomputeError,
     TraceEntry,
@@ -59,8 +59,8 @@ class _Handle(_torch_private.OpaqueBase):
     @property
     def layout(self) -> tuple[Any, ...]:
         """Shape, strides, dtype and device of the value (known with ``check="shapes"``)."""
-        meta = self.unpack.region.meta[self.index]
-        return tuple(meta.shape), meta.stride, meta.dtype, meta.device
+        shape, dtype, device, _, stride = self.unpack.region.meta[self.index]
+        return tuple(shape), stride, dtype, device
 
 
 class _Kept(_torch_private.OpaqueBase):
@@ -156,24 +156,22 @@ class _Outer:
         return value
 
 
-class _Given:
-    """A released value, remembered weakly by its memory: alive only while autograd holds it."""
+# A released value, remembered weakly by its memory (alive only while autograd holds it):
+# a weak reference to its storage, then its offset, shape, strides and dtype.
+_Given = tuple[weakref.ref[Any], Any, torch.Size, tuple[int, ...], torch.dtype]
 
-    __slots__ = ("dtype", "geometry", "storage")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.storage = weakref.ref(t.untyped_storage())
-        self.geometry = (t.storage_offset(), t.shape, t.stride())
-        self.dtype = t.dtype
+def _given(t: torch.Tensor) -> _Given:
+    return weakref.ref(t.untyped_storage()), t.storage_offset(), t.shape, t.stride(), t.dtype
 
-    def get(self) -> torch.Tensor | None:
-        storage = self.storage()
-        if storage is None:
-            return None
-        offset, shape, stride = self.geometry
-        with quiet():
-            empty = torch.empty(0, dtype=self.dtype, device=storage.device)
-            return empty.set_(storage, offset, shape, stride)
+
+def _given_back(given: _Given) -> torch.Tensor | None:
+    storage = given[0]()
+    if storage is None:
+        return None
+    with QUIET:
+        empty = torch.empty(0, dtype=given[4], device=storage.device)
+        return empty.set_(storage, given[1], given[2], given[3])
 
 
 class _Stop(BaseException):
@@ -189,41 +187,40 @@ _RESHAPES = frozenset(
 _CUSTOM = torch.autograd.function.BackwardCFunction
 
 
-class _Meta(NamedTuple):
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    node: str  # the producing autograd node's name ("" without history), made readable late
-    # Made by an autograd.Function, which may run in the forward only (FSDP2's
-    # post-backward hook returns its input, and is not registered during backward).
-    custom: bool
-    stride: tuple[int, ...]  # for compiled autograd's graph (`remat::unpack`)
+# What a saved value looked like, for ``check="shapes"``: shape, dtype, device, the class
+# of the autograd node that made it (None without history), and its strides (compiled
+# autograd's graph reads them, `remat::unpack`). A plain tuple: one is made per saved value.
+_Meta = tuple[torch.Size, torch.dtype, torch.device, "type | None", tuple[int, ...]]
 
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _Meta:
-        node = t.grad_fn
-        if node is None:
-            return cls(t.shape, t.dtype, t.device, "", False, t.stride())
-        name, custom = node.name(), isinstance(node, _CUSTOM)
-        return cls(t.shape, t.dtype, t.device, name, custom, t.stride())
 
-    def same(self, other: _Meta, producers: bool) -> bool:
-        """Equal metadata, and (if asked) the same producer up to how a reshape decomposed
-        or an autograd.Function's presence."""
-        if self[:3] != other[:3]:
-            return False
-        if not producers or self.node == other.node or self.custom or other.custom:
-            return True
-        mine, theirs = self.producer, other.producer
-        return mine == theirs or (bool(mine and theirs) and {mine, theirs} <= _RESHAPES)
+def _meta(t: torch.Tensor) -> _Meta:
+    node = t.grad_fn
+    return (t.shape, t.dtype, t.device, None if node is None else type(node), t.stride())
 
-    @property
-    def producer(self) -> str:
-        return node_op(self.node) if self.node else ""
 
-    def __str__(self) -> str:
-        made = f"output of {self.producer}" if self.node else "a tensor with no autograd history"
-        return f"{made}, {describe_meta(self.shape, self.dtype, self.device)}"
+def _same(mine: _Meta, theirs: _Meta, producers: bool) -> bool:
+    """Equal metadata, and (if asked) the same producer up to how a reshape decomposed or
+    an autograd.Function's presence (FSDP2's post-backward hook runs in the forward only)."""
+    if mine[0] != theirs[0] or mine[1] is not theirs[1] or mine[2] != theirs[2]:
+        return False
+    a, b = mine[3], theirs[3]
+    if not producers or a is b or _custom(a) or _custom(b):
+        return True
+    return a is not None and b is not None and {_producer(a), _producer(b)} <= _RESHAPES
+
+
+def _custom(node: type | None) -> bool:
+    return node is not None and issubclass(node, _CUSTOM)
+
+
+def _producer(node: type | None) -> str:
+    """``aten.addmm`` for ``AddmmBackward0``; "" without history."""
+    return "" if node is None else node_op(node.__name__)
+
+
+def _describe(meta: _Meta) -> str:
+    made = f"output of {_producer(meta[3])}" if meta[3] else "a tensor with no autograd history"
+    return f"{made}, {describe_meta(meta[0], meta[1], meta[2])}"
 
 
 class _Running(NamedTuple):
@@ -367,7 +364,8 @@ class _Setting:
         if moded:
             # A per-op policy's recompute runs under the mode anyway: always guarded.
             guarded = self.watching or replayer is not None
-            guard = WriteGuard([copy for copy, _, _ in copies]) if guarded else None
+            made_here = replayer.made_here if replayer is not None else None
+            guard = WriteGuard([c for c, _, _ in copies], made_here) if guarded else None
             mode = self.mode_type()(replay=replay, replayer=replayer, trace=trace, guard=guard)
             stack.enter_context(mode)
         return call, pack
@@ -406,6 +404,7 @@ class Region:
         self.saved_inputs: set[int] = set()
         self.setting = _Setting(fn, inputs, modules, generators, policy, preserve_rng)
         self.levels, self.keeper = self.setting.levels, self.setting.keeper  # read everywhere
+        self.transformed = bool(self.levels)  # under torch.func levels
         self.mode: OpMode | None = None  # the forward's, while it runs
         self.running = False  # whether the forward runs
 
@@ -441,7 +440,7 @@ class Region:
             self.mode = None
             self.check_inputs(inside=True)
             if setting.modules is not None:
-                with quiet():  # its comparisons are remat's ops, not the region's
+                with QUIET:  # its comparisons are remat's ops, not the region's
                     setting.modules.settle()
             outer = self.enclosing()
             if outer is not None:
@@ -582,7 +581,7 @@ class _Pack:
         region.kinds.append(1)
         region.handles.append(weakref.ref(handle))
         if region.check:
-            region.meta.append(_Meta.of(t))
+            region.meta.append(_meta(t))
         return handle
 
 
@@ -615,33 +614,43 @@ class _Unpack:
             if isinstance(packed, _Kept) and _frees_graph():
                 packed.release()
             return value
+        region = self.region
+        if type(packed) is _Handle and not region.transformed and region.mode is None:
+            return self._handle(packed, release=True)  # eager, outside torch.func: the usual
         return self.unpack(packed)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """`fetch`, then what functorch's own pass should see."""
         region = self.region
         value = self.fetch(packed)
-        if region.levels and not isinstance(packed, _Outer):
-            with quiet():
+        if region.transformed and type(packed) is not _Outer:
+            with QUIET:
                 value = region.levels.for_backward(value)
-        if region.keeper is not None and region.mode is not None and isinstance(packed, _Handle):
+        if region.keeper is not None and region.mode is not None and type(packed) is _Handle:
             region.keeper.handed_back(packed.index, value)  # inside our own forward
         return value
 
     def fetch(self, packed: Any) -> torch.Tensor:
         """The value behind ``packed`` (recomputing the region if needed)."""
-        if isinstance(packed, _Kept):
+        kind = type(packed)  # not isinstance: the opaque types' metaclass makes it slow
+        if kind is _Kept:
             return packed.get(self.region)
-        if isinstance(packed, _Outer):
+        if kind is _Outer:
             return packed.get()
+        # (A compiled graph may reuse the memory of what it unpacked.)
+        release = not self.region.transformed and not _torch_private.in_compiled_autograd()
+        return self._handle(packed, release)
+
+    def _handle(self, packed: _Handle, release: bool) -> torch.Tensor:
+        """A handle's value, recomputed for this pass at its first unpack; ``release``: and
+        remembered only weakly once given (see `_again`)."""
         key = _torch_private.current_graph_task_id()
         values = self.passes.get(key) if key != -1 else None
         if values is None:
             values = self.recompute()
             region = self.region
-            if (
-                not (region.levels or region.keeper is not None or region.running)
-                and _frees_graph()
+            if not (region.transformed or region.keeper is not None or region.running) and (
+                _frees_graph()
             ):
                 region.hold_inputs_weakly()
             if key != -1:
@@ -653,9 +662,8 @@ class _Unpack:
         value = values.pop(packed.index, None)
         if value is None:
             value = self._again(packed, key)
-        elif not self.region.levels and key != -1 and not _torch_private.in_compiled_autograd():
-            # (A compiled graph may reuse the memory of what it unpacked.)
-            self.given.setdefault(key, {})[packed.index] = _Given(value)
+        elif release and key != -1:
+            self.given.setdefault(key, {})[packed.index] = _given(value)
         return value
 
     def _again(self, packed: _Handle, key: int) -> torch.Tensor:
@@ -665,7 +673,7 @@ class _Unpack:
         memory back while autograd still holds it, or else is recomputed alone.
         """
         given = self.given.get(key, {}).get(packed.index)
-        value = given.get() if given is not None else None
+        value = _given_back(given) if given is not None else None
         if value is None:
             value = self.recompute(only=packed.index)[packed.index]
         return value
@@ -778,7 +786,7 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
     raise RecomputeError(
         f"`remat`: the recompute rebuilt {len(pack.values)} of the {len(needed)} values "
         f"backward needs; value #{missing}"
-        + (f" ({region.meta[missing]})" if region.check else "")
+        + (f" ({_describe(region.meta[missing])})" if region.check else "")
         + " was never rebuilt. `fn` must run the same ops each time it is called."
         + pack.diff()
     )
@@ -806,6 +814,7 @@ class _RecomputePack:
         self.kinds = iter(region.kinds)
         self.count = 0
         self.stopped = False
+        self.check = region.meta if region.check else None  # the forward's `_meta`s
         # Under re-created levels, a value wrapped at one dies with it and then acts
         # as its contents, as the forward's own (dead) wrapper does.
         self.keep = _torch_private.detach_outermost if region.levels else torch.Tensor.detach
@@ -813,12 +822,26 @@ class _RecomputePack:
     def __call__(self, t: torch.Tensor) -> Any:
         if self.stopped:  # ``fn`` caught `_Stop` and went on
             raise _Stop
-        with quiet():
-            index = self._index(t)
+        with QUIET:
+            if self.replayer is not None:
+                index = self.replayer.handle(t)
+            elif next(self.kinds, 1):
+                index, self.count = self.count, self.count + 1
+            else:
+                index = None
             if index is None:
                 return t
-            if self.region.check:
-                self._compare(index, t)
+            if self.check is not None:
+                forward = self.check[index] if index < len(self.check) else None
+                node = t.grad_fn
+                if (
+                    forward is None
+                    or t.shape != forward[0]
+                    or t.dtype is not forward[1]
+                    or t.device != forward[2]
+                    or (None if node is None else type(node)) is not forward[3]
+                ):
+                    self._compare(index, t)  # raises, unless the producers only look different
             value = self.keep(t)
             if self.replayer is not None:
                 self.replayer.handed_back(value)
@@ -830,30 +853,22 @@ class _RecomputePack:
             raise _Stop
         return value
 
-    def _index(self, t: torch.Tensor) -> int | None:
-        if self.replayer is not None:
-            return self.replayer.handle(t)
-        if not next(self.kinds, 1):
-            return None
-        self.count += 1
-        return self.count - 1
-
     def _compare(self, i: int, t: torch.Tensor) -> None:
         """Raise if the recompute's value #i does not look like the forward's."""
         # Inputs re-wrapped at re-created levels have no history there: skip producers.
         forward = self.region.meta
-        meta = _Meta.of(t)
+        meta = _meta(t)
         if i >= len(forward):
             raise RecomputeError(
                 f"`remat`: the recompute saved more values than the forward ({len(forward)}); "
-                f"the extra one is {meta}. `fn` must run the same ops each time it is called."
-                + self.diff()
+                f"the extra one is {_describe(meta)}. `fn` must run the same ops each time it "
+                "is called." + self.diff()
             )
-        if not meta.same(forward[i], self.producers):
+        if not _same(meta, forward[i], self.producers):
             raise RecomputeError(
                 f"`remat`: the recompute diverged from the forward at saved value #{i}. "
-                f"Forward: {forward[i]}. Recompute: {meta}. `fn` must run the same ops on "
-                "the same shapes each time it is called. Run the forward inside "
+                f"Forward: {_describe(forward[i])}. Recompute: {_describe(meta)}. `fn` must run "
+                "the same ops on the same shapes each time it is called. Run the forward inside "
                 "`remat.debug()` to see both op sequences, or pass `check='none'` to skip "
                 "this comparison." + self.diff()
             )

@@ -128,7 +128,7 @@ def _passes_through(op: Op, args: Any, out: Any) -> bool:
         return False
     if op.transparent:
         return True
-    if not args or not isinstance(args[0], torch.Tensor):
+    if not args or not isinstance(args[0], torch.Tensor) or out.shape != args[0].shape:
         return False
     return _geometry(out) == _geometry(args[0])
 
@@ -218,12 +218,20 @@ class Provenance:
     def signature(self, op: Op, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
         """The op and its arguments, tensors replaced by where they came from."""
         keys = []
-        for arg in args:  # `_key`, unrolled for the usual arguments (this runs per op)
+        made = self.made
+        for arg in args:  # `_key` and `describe`, unrolled for the usual arguments (per op)
             kind = type(arg)
-            if kind in _SELF_DESCRIBING:
+            if kind is torch.Tensor:
+                version: int = arg._version
+                entry = made.get(id(arg))
+                if entry is not None and entry[0]() is arg:  # made by an op of this run
+                    if reads is not None:
+                        reads.add(entry[1])
+                    keys.append((entry[1], entry[2], version - entry[3]))
+                else:
+                    keys.append(self.describe(arg, reads))
+            elif kind in _SELF_DESCRIBING:
                 keys.append(arg)
-            elif kind is torch.Tensor:
-                keys.append(self.describe(arg, reads))
             else:
                 keys.append(self._key(arg, reads))
         return (op, tuple(keys), self._key(kwargs, reads) if kwargs else ())
@@ -235,7 +243,10 @@ class Provenance:
         if isinstance(value, torch.Tensor):
             return self.describe(value, reads)
         if isinstance(value, (list, tuple)):
-            return tuple([self._key(v, reads) for v in value])
+            for v in value:
+                if type(v) not in _SELF_DESCRIBING:
+                    return tuple([self._key(v, reads) for v in value])
+            return tuple(value)  # sizes, dims: the usual
         if isinstance(value, dict):
             return tuple((k, self._key(v, reads)) for k, v in value.items())
         if kind is torch.Generator:  # isinstance goes through a slow metaclass
@@ -252,11 +263,14 @@ class Provenance:
             self.aliases[id(t)] = (weakref.ref(t), tuple(prefix), version - t._version)
 
     def record(self, op: Op, args: Any, out: Any, index: int) -> None:
-        if _passes_through(op, args, out):
+        if op.view and _passes_through(op, args, out):
             self.alias(out, self.describe(args[0]))
             return
+        if type(out) is torch.Tensor and self.shared is None:  # the usual: one plain output
+            self.made[id(out)] = tuple.__new__(_Made, (weakref.ref(out), index, 0, out._version))
+            return
         for position, t in enumerate(_outputs(out)):
-            self.made[id(t)] = _Made(weakref.ref(t), index, position, t._version)
+            self.made[id(t)] = tuple.__new__(_Made, (weakref.ref(t), index, position, t._version))
             if self.shared is not None and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 entry = (weakref.ref(storage), (index, position), -t._version)
@@ -415,7 +429,10 @@ class Keeper:
             pass
         step = self.budget is not None and kind == _ALWAYS_RUNS and self._step(op, args, out)
         provenance.record(op, args, out, index)
-        layout = _Shape.of(out)
+        if type(out) is torch.Tensor:  # `_Shape.of`, for the usual output
+            layout = tuple.__new__(_Shape, (out.shape, out.stride(), out.dtype, out.device))
+        else:
+            layout = _Shape.of(out)
         self.layouts.append(layout)
         decided = (kind in (_DECIDED, _READS_METADATA) or step) and layout is not None
         if self.budget is not None:
@@ -756,6 +773,8 @@ def _saved_as(t: torch.Tensor) -> tuple[Any, ...]:
     re-creates levels, so only the wrappers' kinds count.
     """
     chain = _torch_private.wrapper_chain(t)
+    if not chain:
+        return t.shape, ()
     return t.shape, tuple((bdim, requires_grad) for _, bdim, requires_grad in chain)
 
 
@@ -921,6 +940,16 @@ class Replayer:
         """
         self.placeholders.clear()
 
+    def made_here(self, t: torch.Tensor) -> bool:
+        """Whether an op of this recompute made ``t`` (or it stands for something, as a
+        private copy or a value handed back does)."""
+        provenance = self.provenance
+        entry = provenance.made.get(id(t))
+        if entry is not None and entry.ref() is t:
+            return True
+        alias = provenance.aliases.get(id(t))
+        return alias is not None and alias[0]() is t
+
     def handle(self, t: torch.Tensor) -> int | None:
         """The forward's handle that a value autograd saves in the recompute rebuilds, if any."""
         plain = _torch_private.unwrap_all(t)
@@ -966,12 +995,17 @@ class Replayer:
         return not op.view or self._reads_placeholder(args)
 
     def _reads_placeholder(self, value: Any) -> bool:
-        if isinstance(value, torch.Tensor):
-            return id(value) in self.placeholders
-        if isinstance(value, (list, tuple)):
-            return any(self._reads_placeholder(v) for v in value)
-        if isinstance(value, dict):
-            return any(self._reads_placeholder(v) for v in value.values())
+        stack = [value]
+        placeholders = self.placeholders
+        while stack:
+            value = stack.pop()
+            if isinstance(value, torch.Tensor):
+                if id(value) in placeholders:
+                    return True
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+            elif isinstance(value, dict):
+                stack.extend(value.values())
         return False
 
     def _real_layouts(self, value: Any) -> Any:

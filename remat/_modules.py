@@ -62,17 +62,26 @@ class _Learned:
         self.seen: set[tuple[int, ...]] = set()
 
 
-_LEARNED: weakref.WeakKeyDictionary[Any, dict[bool | None, _Learned]] = weakref.WeakKeyDictionary()
+# Per module (or owner), by id: a weak reference to it, and its records by training flag.
+# (Not a WeakKeyDictionary: it is read per module at every region call.)
+_LEARNED: dict[int, tuple[weakref.ref[Any], dict[bool | None, _Learned]]] = {}
 
 
 def _learned(owner: Any) -> _Learned | None:
     """What forwards of ``owner`` in its current training mode were seen to do, if any."""
-    return _LEARNED.get(owner, {}).get(getattr(owner, "training", None))
+    entry = _LEARNED.get(id(owner))
+    if entry is None or entry[0]() is not owner:
+        return None
+    return entry[1].get(getattr(owner, "training", None))
 
 
 def _learning(owner: Any) -> _Learned:
     """The same record, made if needed, for a forward to add to."""
-    return _LEARNED.setdefault(owner, {}).setdefault(getattr(owner, "training", None), _Learned())
+    key = id(owner)
+    entry = _LEARNED.get(key)
+    if entry is None or entry[0]() is not owner:
+        entry = _LEARNED[key] = (weakref.ref(owner, lambda _: _LEARNED.pop(key, None)), {})
+    return entry[1].setdefault(getattr(owner, "training", None), _Learned())
 
 
 def _fsdp_types() -> tuple[type | None, type | None]:
@@ -181,8 +190,12 @@ class _Slot(NamedTuple):
 def _memory(t: torch.Tensor) -> int:
     """Where ``t``'s data lies (the plain tensor's, under torch.func wrappers); -1 if nowhere."""
     try:
+        return t.data_ptr()
+    except RuntimeError:  # a torch.func wrapper, or no storage (a subclass, a sparse tensor)
+        pass
+    try:
         return int(_torch_private.unwrap_all(t).data_ptr())
-    except RuntimeError:  # no storage (a tensor subclass, a sparse tensor)
+    except RuntimeError:
         return -1
 
 
@@ -197,14 +210,16 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
-    """Every module under ``modules`` (themselves included), each once."""
+    """Every module under ``modules`` (themselves included), each once, depth first."""
     found: list[nn.Module] = []
     seen: set[int] = set()
-    for module in modules:
-        for sub in module.modules():
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                found.append(sub)
+    stack: list[Any] = modules[::-1]
+    while stack:
+        module = stack.pop()
+        if module is not None and id(module) not in seen:
+            seen.add(id(module))
+            found.append(module)
+            stack.extend(reversed(module._modules.values()))
     return found
 
 
@@ -279,8 +294,10 @@ class ModuleState:
         opaque = tuple(reached.opaque)
         inputs_updated = learned.updated if learned is not None else None
         for i, x in enumerate(inputs):
+            if x.requires_grad:
+                continue
             name = f"input {i}"
-            if x.requires_grad or (inputs_updated is not None and name not in inputs_updated):
+            if inputs_updated is not None and name not in inputs_updated:
                 continue
             if _torch_private.unwrap_all(x) is x:  # not under torch.func
                 if inputs_updated is not None:
@@ -290,12 +307,15 @@ class ModuleState:
         submodules = _submodules(reached.modules)
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
+        slots = state.slots
         for sub in submodules:
             # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
-            state.generators.extend(v for v in vars(sub).values() if type(v) is torch.Generator)
+            if torch.Generator in map(type, vars(sub).values()):
+                state.generators += [v for v in vars(sub).values() if type(v) is torch.Generator]
             record = _learned(sub)
             if record is None and (sub._parameters or sub._buffers):
                 unlearned.append(sub)
+            updated = record.updated if record is not None else ()
             for table in (sub._parameters, sub._buffers):
                 for name, t in table.items():
                     if t is None:
@@ -304,12 +324,13 @@ class ModuleState:
                         if dtensor is not None and isinstance(t, dtensor):
                             state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
                         continue
-                    if record is not None and name in record.updated:
+                    if name in updated:
                         with torch.no_grad():
-                            state.snapshots[len(state.slots)] = t.detach().clone()
-                    state.slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
-        known = {id(slot.tensor) for slot in state.slots}.union(map(id, inputs))
-        state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
+                            state.snapshots[len(slots)] = t.detach().clone()
+                    slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
+        if reached.tensors:
+            known = {id(slot.tensor) for slot in slots}.union(map(id, inputs))
+            state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
         if unlearned:
             state.watching, state.learners, state.opaque = True, unlearned, (owner, opaque)
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
@@ -470,10 +491,14 @@ class WriteGuard:
     the recompute as it was (a tensor reached in a way `reachable` does not follow).
     """
 
-    __slots__ = ("local",)
+    __slots__ = ("local", "made_here")
 
-    def __init__(self, copies: list[torch.Tensor]) -> None:
+    def __init__(
+        self, copies: list[torch.Tensor], made_here: Callable[[torch.Tensor], bool] | None = None
+    ) -> None:
         self.local = {_storage(_torch_private.unwrap_all(c)) for c in copies}
+        # A per-op policy's replay knows what the recompute made (`made` is not called).
+        self.made_here = made_here
 
     def made(self, out: Any) -> None:
         """The outputs of one op of the recompute."""
@@ -485,6 +510,8 @@ class WriteGuard:
         for t in written:
             memory = _storage(t)
             if memory and memory not in self.local:
+                if self.made_here is not None and self.made_here(t):
+                    continue
                 raise RecomputeError(
                     f"`remat`: the recompute writes in place, with {func.overloadpacket} at "
                     f"{source_line()}, a tensor ({describe_meta(t.shape, t.dtype, t.device)}) "

@@ -273,10 +273,12 @@ class RngLend(TorchFunctionMode):
         self.caller = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
+        if not kwargs:  # (most calls: checked first, as this runs for every torch call)
+            return func(*args)
         generator = kwargs.get("generator")
         if (
-            isinstance(generator, torch.Generator)
+            generator is not None
+            and isinstance(generator, torch.Generator)
             and generator not in self.states
             and not _fresh(generator)
         ):

@@ -308,6 +308,8 @@ def functorch_interpreters() -> list[Any]:
     The recompute must run at the forward's levels; functorch has no public
     view of its interpreter stack.
     """
+    if not _F.get_dynamic_layer_stack_depth():  # (the usual case, checked first: it is cheap)
+        return []
     return list(pyfunctorch.retrieve_all_functorch_interpreters())
 
 
