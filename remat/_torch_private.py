@@ -2,6 +2,8 @@
 
 Each entry says why no public API serves. ``tests/test_torch_private.py`` checks
 each one against the installed torch, so an upgrade that changes them fails loudly.
+Differences between the supported torch releases (docs/versions.md) are absorbed
+here too, by feature detection (the newer name first), never by version numbers.
 """
 
 from __future__ import annotations
@@ -11,16 +13,24 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
-from torch._opaque_base import OpaqueBase
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _F: Any = torch._C._functorch
+
+# The base of the classes passed to custom ops by reference (see `register_opaque`).
+if TYPE_CHECKING:
+    from torch._opaque_base import OpaqueBase
+else:
+    try:  # torch 2.14's name (importing torch._opaque_base then logs a deprecation)
+        from torch._custom_class_base import CustomClassBase as OpaqueBase
+    except ImportError:
+        from torch._opaque_base import OpaqueBase
 
 __all__ = [
     "current_graph_task_id",
@@ -150,11 +160,17 @@ def register_opaque(cls: type, guard: Callable[[Any], list[Any]], read: tuple[st
 
     ``guard`` gives what a compiled graph specializes on, and the attributes in
     ``read`` are read while tracing (their values are baked in; guard on them).
+    ``cls`` subclasses `OpaqueBase`. torch has no public way to pass an object that
+    is not a tensor to a custom op by reference.
     """
-    from torch._library.opaque_object import MemberType, register_opaque_type
+    from torch._library import opaque_object
 
-    members = dict.fromkeys(read, MemberType.USE_REAL)
-    register_opaque_type(cls, typ="reference", guard_fn=guard, members=members)
+    members = dict.fromkeys(read, opaque_object.MemberType.USE_REAL)
+    register = getattr(opaque_object, "register_custom_class", None)  # torch 2.14's name
+    if register is not None:  # the old name and "reference" log deprecations there
+        register(cls, typ="symbolic", guard_fn=guard, members=members)
+    else:
+        opaque_object.register_opaque_type(cls, typ="reference", guard_fn=guard, members=members)
 
 
 def in_compiled_autograd() -> bool:
