@@ -153,9 +153,23 @@ def test_compiled_steps_equal_compiled_plain(policy):
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
 
 
+def _regions(how: str, policy: str) -> Stack:
+    """The test model, its blocks made regions by `remat.remat` at each call, by
+    `remat.apply`, or by `remat.checkpoint`."""
+    if how == "apply":
+        return remat.apply(_model(_plain), Block, policy=policy)
+    if how == "checkpoint":
+        return _model(lambda block: functools.partial(remat.checkpoint, block, policy=policy))
+    return _model(remat.remat(policy=policy))
+
+
+HOW = ["remat", "apply", "checkpoint"]
+
+
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_explain_reports_one_graph_and_no_break(policy):
-    explanation = torch._dynamo.explain(_model(remat.remat(policy=policy)))(_input())
+def test_explain_reports_one_graph_and_no_break(policy, how):
+    explanation = torch._dynamo.explain(_regions(how, policy))(_input())
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
 
 
@@ -224,12 +238,13 @@ def test_memory_track_refuses_a_compiled_function():
         compiled(_input())
 
 
-def test_compiled_regions_save_what_compiled_checkpoint_and_sac_save():
+@pytest.mark.parametrize("how", HOW)
+def test_compiled_regions_save_what_compiled_checkpoint_and_sac_save(how):
     """save_nothing saves what compiled torch.utils.checkpoint saves, save_matmuls what
-    compiled SAC saves, and both strictly less than compiled plain."""
+    compiled SAC saves, and both strictly less than compiled plain (fullgraph)."""
     plain = _saved_bytes(_model(_plain))
-    nothing = _saved_bytes(_model(remat.remat))
-    matmuls = _saved_bytes(_model(remat.remat(policy="save_matmuls")))
+    nothing = _saved_bytes(_regions(how, "save_nothing"))
+    matmuls = _saved_bytes(_regions(how, "save_matmuls"))
     assert nothing <= _saved_bytes(_model(_torch_checkpoint))
     assert matmuls <= _saved_bytes(_model(_sac))
     assert nothing < matmuls < plain
