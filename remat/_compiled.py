@@ -59,6 +59,7 @@ def traced(
     if policy.per_op:
         decide = functools.partial(_decide, policy)
         context["context_fn"] = functools.partial(create_selective_checkpoint_contexts, decide)
+    context.update(_torch_private.checkpoint_options())
     return checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **context, **kwargs
     )

@@ -9,6 +9,7 @@ here too, by feature detection (the newer name first), never by version numbers.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 import types
@@ -73,6 +74,7 @@ __all__ = [
     "flops",
     "watch_storage_resizes",
     "TorchDispatchMode",
+    "checkpoint_options",
 ]
 
 
@@ -547,3 +549,26 @@ def rewraps_outputs(t: torch.Tensor) -> bool:
 
 
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def _checkpoint_options() -> dict[str, Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    parameters = inspect.signature(checkpoint).parameters
+    return (
+        {"respect_saved_tensors_hooks": True} if "respect_saved_tensors_hooks" in parameters else {}
+    )
+
+
+_CHECKPOINT_OPTIONS = _checkpoint_options()
+
+
+def checkpoint_options() -> dict[str, Any]:
+    """The options remat passes to ``torch.utils.checkpoint.checkpoint``, where torch has them.
+
+    A public API, but not in every supported torch: ``respect_saved_tensors_hooks``
+    (torch 2.14) routes what selective checkpointing keeps through the saved-tensor hooks
+    around it (``save_on_cpu``), as autograd routes what it saves; unset, torch warns under
+    such hooks, and it will change its default.
+    """
+    return dict(_CHECKPOINT_OPTIONS)

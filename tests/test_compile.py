@@ -5,13 +5,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 
 import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import remat
 from remat import policies
@@ -248,6 +253,39 @@ def test_compiled_regions_save_what_compiled_checkpoint_and_sac_save(how):
     assert nothing <= _saved_bytes(_model(_torch_checkpoint))
     assert matmuls <= _saved_bytes(_model(_sac))
     assert nothing < matmuls < plain
+
+
+class _Broken(nn.Module):
+    """A block Dynamo traces in two pieces, so torch's checkpoint runs it eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, WIDTH, dtype=DTYPE)
+        self.down = nn.Linear(WIDTH, WIDTH, dtype=DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        torch._dynamo.graph_break()
+        return self.down(h).sin()
+
+
+def test_saved_tensors_hooks_see_what_a_broken_regions_policy_keeps():
+    """A region with a graph break runs torch's selective checkpoint eagerly. remat passes
+    `respect_saved_tensors_hooks=True` where torch has it (2.14 on; unset, torch warns, which
+    fails this test): the hooks around the call see the matmul outputs the policy keeps.
+    Older torch's selective checkpoint has no such option and bypasses them."""
+    torch.manual_seed(0)
+    block = _Broken()
+    x = torch.randn(8, WIDTH, dtype=DTYPE, requires_grad=True)  # 2-d: linear is addmm
+    packed: list[torch.Tensor] = []
+    compiled = torch.compile(remat.remat(block, policy="save_matmuls"), backend="aot_eager")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = compiled(x)
+    out.sum().backward()
+    up = block.up(x)
+    kept = [any(torch.equal(t, m) for t in packed) for m in (up, block.down(torch.tanh(up)))]
+    respects = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    assert kept == [respects, respects]
 
 
 def test_compiled_apply_and_checkpoint_trace_too():

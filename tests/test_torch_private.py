@@ -642,3 +642,12 @@ def test_flops_reads_torch_flop_counter_formulas():
     assert tp.flops(torch.ops.aten.mm.default, (a, b), {}, out) == counter.get_total_flops() == 120
     assert tp.flops(torch.ops.aten.sin.default, (a,), {}, a.sin()) == 0
     assert tp.flops(torch.ops.aten.mm.default, (a,), {}, out) == 0  # a formula that cannot apply
+
+
+def test_checkpoint_options_are_those_this_torch_takes():
+    """`respect_saved_tensors_hooks=True` where torch's checkpoint has it (2.14 on), else none."""
+    parameters = inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+    options = tp.checkpoint_options()
+    assert options.keys() <= parameters.keys()
+    has = "respect_saved_tensors_hooks" in parameters
+    assert options == ({"respect_saved_tensors_hooks": True} if has else {})
