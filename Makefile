@@ -3,13 +3,15 @@
 #   make test   - lint, types, every test, the doc examples, the notebooks, the docs build
 # and one more on a machine with an NVIDIA GPU:
 #   make gpu-check - the CUDA tests, offload and RNG, the bench on CUDA; a report
+# and one that takes longer:
+#   make compat    - every test on each supported torch (make compat TORCH=2.12.1: one)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEPS := $(VENV)/.deps
 PKG := $(VENV)/.pkg
 
-.PHONY: demo test fuzz bench docs gpu-check clean
+.PHONY: demo test compat fuzz bench docs gpu-check clean
 
 $(DEPS): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +34,37 @@ test: $(PKG)
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 tests
 	$(BIN)/pytest --doctest-modules --pyargs remat
+
+# The supported torch releases (docs/versions.md), each in its own venv under
+# COMPAT_VENVS: requirements-dev.txt with the torch pin replaced (and the transformers
+# pin, with TRANSFORMERS=5.17.0), made once and reused. The venv pins torch exactly,
+# so a machine-wide pip constraints file must not veto the version asked for.
+TORCH_VERSIONS := 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
+TORCH ?= $(TORCH_VERSIONS)
+TRANSFORMERS ?=
+COMPAT_VENVS ?= .venv-torch
+WITH := $(if $(TRANSFORMERS),-transformers-$(TRANSFORMERS))
+PINS = -e 's/^torch==.*/torch==$*/' \
+	$(if $(TRANSFORMERS),-e 's/^transformers==.*/transformers==$(TRANSFORMERS)/')
+
+$(COMPAT_VENVS)/torch-%$(WITH)/.deps: requirements-dev.txt
+	$(PYTHON) -m venv $(@D)
+	sed $(PINS) requirements-dev.txt > $(@D)/requirements.txt
+	PIP_CONSTRAINT=/dev/null $(@D)/bin/pip install -q -r $(@D)/requirements.txt
+	touch $@
+
+$(COMPAT_VENVS)/torch-%$(WITH)/.pkg: $(COMPAT_VENVS)/torch-%$(WITH)/.deps pyproject.toml \
+		$(wildcard remat/*.py) remat/py.typed
+	$(@D)/bin/pip install -q --no-deps --force-reinstall .
+	touch $@
+
+compat-%: $(COMPAT_VENVS)/torch-%$(WITH)/.pkg
+	$(COMPAT_VENVS)/torch-$*$(WITH)/bin/pytest -n 2 tests
+	$(COMPAT_VENVS)/torch-$*$(WITH)/bin/pytest --doctest-modules --pyargs remat
+
+compat: $(addprefix compat-,$(TORCH))
+
+.PRECIOUS: $(COMPAT_VENVS)/torch-%$(WITH)/.deps $(COMPAT_VENVS)/torch-%$(WITH)/.pkg
 
 # The property tests with fresh examples, REMAT_FUZZ times as many (test draws fixed ones).
 fuzz: $(PKG)

@@ -361,7 +361,9 @@ def _profiled_peak(step: Callable[[], Tensor]) -> int:
     refuses compiled functions)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # One cycle; acc_events=True only keeps torch 2.11 and 2.12 from warning that it clears
+    # events at the end of each cycle.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
         step().backward()
     events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
     live = peak = 0

@@ -36,8 +36,12 @@ class _Forward:
         self.module, self.options, self.inner = module, options, inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.inner or type(self.module).forward.__get__(self.module)
-        return remat(forward, **self.options)(*args, **kwargs)
+        if self.inner is not None:
+            return remat(self.inner, **self.options)(*args, **kwargs)
+        # The class's function, the module its first argument: a bound method made here
+        # is what Dynamo cannot trace (``function.__get__``) or guards on by a wrong name.
+        forward = type(self.module).forward
+        return remat(forward, **self.options)(self.module, *args, **kwargs)
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

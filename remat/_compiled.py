@@ -40,6 +40,14 @@ def traced(
         # torch's checkpoint operator does not run under torch.func transforms; the
         # graph Dynamo makes of a transform computes gradients itself: trace ``fn``.
         return fn(*args, **kwargs)
+    unsupported = _needs_names(policy)
+    if unsupported is not None:  # now, not while torch's checkpoint traces the region
+        raise RuntimeError(
+            f"`remat`: the policy {unsupported!r} keeps tensors tagged with `remat.name`, "
+            "and under torch.compile remat cannot see the tags yet. Use a policy that "
+            "decides by op (`save_matmuls`, `save_ops(...)`, or a callable reading "
+            "`OpCall.op` and `OpCall.args`), or run this region without compiling it."
+        )
     if policy.budget is not None and policy.per_op:
         raise RuntimeError(
             f"`remat`: {policy.budget!r} chooses what to keep from a region's eager forward, "
@@ -51,6 +59,7 @@ def traced(
     if policy.per_op:
         decide = functools.partial(_decide, policy)
         context["context_fn"] = functools.partial(create_selective_checkpoint_contexts, decide)
+    context.update(_torch_private.checkpoint_options())
     return checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **context, **kwargs
     )
@@ -58,14 +67,6 @@ def traced(
 
 def _decide(policy: Policy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The policy's decision for one op of the traced region, as torch's."""
-    unsupported = _needs_names(policy)
-    if unsupported is not None:
-        raise RuntimeError(
-            f"`remat`: the policy {unsupported!r} keeps tensors tagged with `remat.name`, "
-            "and under torch.compile remat cannot see the tags yet. Use a policy that "
-            "decides by op (`save_matmuls`, `save_ops(...)`, or a callable reading "
-            "`OpCall.op` and `OpCall.args`), or run this region without compiling it."
-        )
     decision = policy.decide(op, lambda: OpCall(op, args, kwargs, _NOT_TRACED))
     if decision is Decision.OFFLOAD and policy.device is not None and policy.device.type != "cpu":
         raise RuntimeError(

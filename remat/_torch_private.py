@@ -2,25 +2,36 @@
 
 Each entry says why no public API serves. ``tests/test_torch_private.py`` checks
 each one against the installed torch, so an upgrade that changes them fails loudly.
+Differences between the supported torch releases (docs/versions.md) are absorbed
+here too, by feature detection (the newer name first), never by version numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
-from torch._opaque_base import OpaqueBase
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _F: Any = torch._C._functorch
+
+# The base of the classes passed to custom ops by reference (see `register_opaque`).
+if TYPE_CHECKING:
+    from torch._opaque_base import OpaqueBase
+else:
+    try:  # torch 2.14's name (importing torch._opaque_base then logs a deprecation)
+        from torch._custom_class_base import CustomClassBase as OpaqueBase
+    except ImportError:
+        from torch._opaque_base import OpaqueBase
 
 __all__ = [
     "current_graph_task_id",
@@ -64,6 +75,7 @@ __all__ = [
     "watch_storage_resizes",
     "set_version",
     "TorchDispatchMode",
+    "checkpoint_options",
 ]
 
 
@@ -151,11 +163,17 @@ def register_opaque(cls: type, guard: Callable[[Any], list[Any]], read: tuple[st
 
     ``guard`` gives what a compiled graph specializes on, and the attributes in
     ``read`` are read while tracing (their values are baked in; guard on them).
+    ``cls`` subclasses `OpaqueBase`. torch has no public way to pass an object that
+    is not a tensor to a custom op by reference.
     """
-    from torch._library.opaque_object import MemberType, register_opaque_type
+    from torch._library import opaque_object
 
-    members = dict.fromkeys(read, MemberType.USE_REAL)
-    register_opaque_type(cls, typ="reference", guard_fn=guard, members=members)
+    members = dict.fromkeys(read, opaque_object.MemberType.USE_REAL)
+    register = getattr(opaque_object, "register_custom_class", None)  # torch 2.14's name
+    if register is not None:  # the old name and "reference" log deprecations there
+        register(cls, typ="symbolic", guard_fn=guard, members=members)
+    else:
+        opaque_object.register_opaque_type(cls, typ="reference", guard_fn=guard, members=members)
 
 
 def in_compiled_autograd() -> bool:
@@ -544,3 +562,26 @@ def set_version(t: torch.Tensor, version: int) -> None:
     torch has no public way to set a count.
     """
     torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+def _checkpoint_options() -> dict[str, Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    parameters = inspect.signature(checkpoint).parameters
+    return (
+        {"respect_saved_tensors_hooks": True} if "respect_saved_tensors_hooks" in parameters else {}
+    )
+
+
+_CHECKPOINT_OPTIONS = _checkpoint_options()
+
+
+def checkpoint_options() -> dict[str, Any]:
+    """The options remat passes to ``torch.utils.checkpoint.checkpoint``, where torch has them.
+
+    A public API, but not in every supported torch: ``respect_saved_tensors_hooks``
+    (torch 2.14) routes what selective checkpointing keeps through the saved-tensor hooks
+    around it (``save_on_cpu``), as autograd routes what it saves; unset, torch warns under
+    such hooks, and it will change its default.
+    """
+    return dict(_CHECKPOINT_OPTIONS)

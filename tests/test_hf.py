@@ -198,6 +198,13 @@ def _held(model: nn.Module) -> int:
     return held
 
 
+def _hf_checkpointing_on(model: Any) -> None:
+    """Hugging Face's own checkpointing, by its newer name where the model has it (transformers
+    5.23 warns that `gradient_checkpointing_enable` is deprecated; 5.17 has only that name)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+
+
 def _copy(model: nn.Module, how: str) -> nn.Module:
     if how == "deepcopy":
         return copy.deepcopy(model)
@@ -240,7 +247,7 @@ def test_forward_holds_at_most_hf_checkpointing(name):
     """Held after the forward: save_nothing at most HF checkpointing, save_matmuls below plain."""
     model, layer = _model(name)
     hf = copy.deepcopy(model)
-    hf.activation_checkpointing_enable()
+    _hf_checkpointing_on(hf)
     plain = _held(copy.deepcopy(model))
     nothing = _held(remat.apply(copy.deepcopy(model), layer, policy="save_nothing"))
     matmuls = _held(remat.apply(copy.deepcopy(model), layer, policy="save_matmuls"))
