@@ -7,19 +7,20 @@ slot, the tensor it held at entry.
 
 - ``torch.func.functional_call`` swaps tensors into the slots only for the call,
   but the recompute runs later: the recompute puts the forward's tensor back.
-- A tensor the forward updates in place (BatchNorm's running statistics, an EMA,
-  spectral norm's power-iteration vectors) is snapshotted at entry (an update is
-  told by its version counter, or by its value: batch norm's kernel writes its
-  statistics without a version bump); the
-  recompute runs on a private copy of the snapshot, so it reads what the forward
-  read, and the live buffer keeps the forward's update (applied once).
-  Every buffer of a module is snapshotted the first time a region sees it in
-  training (and in eval) mode; after that, only those a forward has updated.
-- A region input that does not require grad is treated the same way: kernels
-  that write without a version bump (``F.batch_norm`` with running statistics
-  passed as arguments) update it once, and the recompute reads a private copy.
-  Every such input is snapshotted the first time a region runs a module (or a
-  function's code); after that, only those positions a forward updated.
+- A tensor the forward updates (BatchNorm's running statistics, an EMA, spectral
+  norm's vectors, ``nn.Embedding``'s renormalized rows, a ``.data`` assignment) must be
+  read by the recompute as the forward read it, and updated once. The first forward of
+  a module (or of a region's owner, for its inputs) in a training mode is *watched*:
+  under remat's dispatch mode, a slot is copied just before an op first writes its
+  memory, and a ``.data`` assignment is told by the slot's memory moving. Later forwards
+  snapshot at entry what a watched forward updated. The recompute runs on a private copy
+  of the snapshot; the live tensor keeps the forward's update.
+- A region input that does not require grad is treated the same way (``F.batch_norm``
+  with running statistics passed as arguments writes them without a version bump).
+- Plain tensors ``fn`` reaches by reference are version-checked (`loose`): updated by
+  the forward, or between the forward and the backward, they raise.
+- The recompute of a watched forward refuses writes to memory from before it other
+  than the private copies (`WriteGuard`): state held where remat does not look.
 - A slot whose tensor the forward itself replaced (a module assigning a new
   buffer) is left alone, and so is every parameter slot of a module inside an
   FSDP2 unit: FSDP2 swaps sharded and unsharded parameters in and out of it
@@ -165,8 +166,9 @@ def _attributes(obj: Any) -> list[Any]:
     return [attributes] if isinstance(attributes, dict) else []
 
 
-def _owner(fn: Callable[..., Any]) -> Any:
-    """What learns which inputs a region's forward updates: the module it runs, else its code.
+def _owner(fn: Callable[..., Any], first: Any = None) -> Any:
+    """What learns which inputs a region's forward updates: the module it runs (bound, or
+    as the first argument of its class's method, as `remat.apply` calls it), else its code.
 
     Not the `remat` wrapper: ``remat(layer)(x)`` makes a new one at every call.
     """
@@ -175,7 +177,11 @@ def _owner(fn: Callable[..., Any]) -> Any:
     bound = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
     if isinstance(bound, nn.Module):
         return bound
-    return getattr(getattr(fn, "__func__", fn), "__code__", type(fn))
+    function = getattr(fn, "__func__", fn)
+    name = getattr(function, "__name__", None)
+    if isinstance(first, nn.Module) and name and getattr(type(first), name, None) is function:
+        return first
+    return getattr(function, "__code__", type(fn))
 
 
 class _Slot(NamedTuple):
@@ -278,7 +284,7 @@ class ModuleState:
 
     @classmethod
     def capture(
-        cls, fn: Callable[..., Any], reached: Reached, inputs: list[torch.Tensor]
+        cls, fn: Callable[..., Any], first: Any, reached: Reached, inputs: list[torch.Tensor]
     ) -> ModuleState | None:
         """The state of a region about to run: slots, and snapshots of what it updates.
 
@@ -289,7 +295,7 @@ class ModuleState:
         reaches whose attributes remat does not search (`Reached.opaque`).
         """
         state = cls()
-        owner = _owner(fn)
+        owner = _owner(fn, first)
         learned = _learned(owner)
         opaque = tuple(reached.opaque)
         inputs_updated = learned.updated if learned is not None else None

@@ -136,7 +136,7 @@ def remat(
         )
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         reached = reachable(fn, leaves)
-        modules = ModuleState.capture(fn, reached, inputs)
+        modules = ModuleState.capture(fn, args[0] if args else None, reached, inputs)
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []

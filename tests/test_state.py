@@ -432,3 +432,29 @@ def test_state_written_where_remat_cannot_reach_raises(policy, kernel):
         return _steps(wrap(normed), stats.__dict__)
 
     _plain_or_raises(run, policy, "existed before it")
+
+
+class _Normalize(nn.Module):
+    """Batch norm on running statistics passed as arguments (written, by the kernel)."""
+
+    def forward(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.batch_norm(x, mean, var, training=self.training).tanh()
+
+
+def test_apply_learns_per_instance_what_a_forward_updates():
+    """Two instances of one class under `remat.apply`, one evaluating and one training: the
+    training one's statistics are updated once per step, as plain (not learned per class)."""
+
+    def run(wrap: Callable[[nn.Module], nn.Module]) -> Any:
+        evaluating, training = wrap(_Normalize().eval()), wrap(_Normalize().train())
+        mean, var = torch.zeros(6, dtype=DTYPE), torch.ones(6, dtype=DTYPE)
+        history = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            evaluating(x, mean, var).sum().backward()
+            out = training(x, mean, var)
+            out.sum().backward()
+            history.append((out, x.grad, mean.clone(), var.clone()))
+        return history
+
+    assert_tree_equal(run(remat.apply), run(lambda m: m))
