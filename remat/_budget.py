@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ from . import _torch_private
 from ._policies import OpCall
 from ._rng import is_random
 
-__all__ = ["Plan", "choose", "estimated_cost", "lookup", "signature", "store"]
+__all__ = ["Plan", "choose", "estimated_cost"]
 
 # Machine balance: FLOPs a device computes in the time it moves one byte. Measured on
 # the 2-core CI machine (mm at ~120 GFLOP/s, gelu and softmax at 8-16 GB/s) for CPU;
@@ -68,30 +67,19 @@ def estimated_cost(call: OpCall) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a budget keeps in one region signature, and the forward it was made for.
+    """What a budget keeps in one region's program (`_keep.Program`), which holds the ops.
 
-    The forward is its ops, their output layouts, the ops each read, and the ops whose
-    outputs autograd saved. ``keep`` holds op indices; ``why`` says what each spares;
-    ``plain`` is what plain autograd holds for the region, ``held`` what the plan does.
+    ``ops`` counts the forward's ops, ``wanted`` the ops whose outputs autograd saved;
+    ``keep`` holds op indices; ``why`` says what each spares; ``plain`` is what plain
+    autograd holds for the region, ``held`` what the plan does.
     """
 
-    ops: tuple[Any, ...]
-    layouts: tuple[Any, ...]
-    deps: tuple[tuple[int, ...], ...]
+    ops: int
     wanted: frozenset[int]
     keep: frozenset[int]
     why: dict[int, str]
     plain: int
     held: int
-
-    def fits(self, index: int, op: Any, layout: Any, deps: tuple[int, ...]) -> bool:
-        """Whether op ``index`` of a forward is the one planned."""
-        return (
-            index < len(self.ops)
-            and self.ops[index] is op
-            and self.layouts[index] == layout
-            and self.deps[index] == deps
-        )
 
 
 # A budget's choices are made over steps of 1% of plain autograd's bytes.
@@ -340,31 +328,3 @@ def _recompute_cost(
         total += costs[index]
         stack.extend(deps[index])
     return total
-
-
-def signature(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[Any, ...]:
-    """A region's signature for its plan: ``fn``'s code and its inputs' layouts."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None) or type(fn)
-    return code, tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in inputs)
-
-
-# (policy, signature) -> plan, least recently stored first; bounded, as code objects
-# of functions made per call (lambdas in a loop) would pile up.
-_PLANS: OrderedDict[Any, Plan] = OrderedDict()
-_MAX_PLANS = 512
-
-
-def lookup(policy: Any, key: Any) -> Plan | None:
-    return _PLANS.get((policy, key))
-
-
-def store(policy: Any, key: Any, plan: Plan | None) -> None:
-    """Remember ``plan`` for ``key`` (or forget the key's plan, for None)."""
-    _PLANS.pop((policy, key), None)
-    if plan is not None:
-        _PLANS[(policy, key)] = plan
-        while len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)

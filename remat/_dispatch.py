@@ -15,13 +15,18 @@ from typing import Any
 
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
-from ._keep import _OPS, Keeper, Op, Replayer, op_info, written
+from ._keep import _OPS, DIVERGED, Keeper, Op, Replayer, op_info, written
 from ._modules import ModuleState, WriteGuard
 from ._rng import RngCapture, RngReplay
 
 __all__ = ["QUIET", "GuardedOpMode", "OpMode"]
 
-_local = threading.local()
+
+class _Local(threading.local):
+    quiet = 0  # > 0 while remat's own ops run (`QUIET`), per thread
+
+
+_local = _Local()
 
 
 class _Quiet:
@@ -30,7 +35,7 @@ class _Quiet:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _local.quiet = getattr(_local, "quiet", 0) + 1
+        _local.quiet += 1
 
     def __exit__(self, *exc: object) -> None:
         _local.quiet -= 1
@@ -64,20 +69,27 @@ class OpMode(_torch_private.TorchDispatchMode):
         self.keeper, self.replayer = keeper, replayer
         self.watch, self.guard = watch, guard  # the forward's and the recompute's, first calls
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
+        self.run, self.passed = self._run, self._passed  # bound once: handed on for every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if self.paused or getattr(_local, "quiet", 0):
+        if self.paused or _local.quiet:
             return func(*args, **kwargs)
         op = _OPS.get(id(func)) or op_info(func)
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
+        keeper = self.keeper
         if self.replayer is not None:
-            out = self.replayer.call(op, args, kwargs, self._run, self._passed)
+            out = self.replayer.call(op, args, kwargs, self.run, self.passed)
+        elif keeper is not None and keeper.program is not None:
+            out = keeper.follow(op, args, kwargs, self.run)
+            if out is DIVERGED:
+                out = self._run(op, args, kwargs)
+                keeper.after(op, args, kwargs, out)
         else:
             out = self._run(op, args, kwargs)
-            if self.keeper is not None:
-                self.keeper.after(op, args, kwargs, out)
+            if keeper is not None:
+                keeper.after(op, args, kwargs, out)
         if self.guard is not None and self.replayer is None:
             self.guard.made(out)
         if self.trace is not None:

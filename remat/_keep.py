@@ -23,17 +23,18 @@ still leaves the next random op the forward's numbers (`Replayer._pass`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from . import _budget, _torch_private
+from . import _budget, _modules, _torch_private
 from ._policies import Decision, OpCall, Policy, as_decision
 from ._rng import is_random
 
-__all__ = ["Keeper", "Op", "Replayer", "Restart", "op_info", "written"]
+__all__ = ["DIVERGED", "Keeper", "Op", "Program", "Replayer", "Restart", "op_info", "written"]
 
 
 class Restart(BaseException):
@@ -160,12 +161,12 @@ class _Made(NamedTuple):
 class Provenance:
     """Where the tensors an op reads come from, for signatures (one per forward or recompute)."""
 
-    __slots__ = ("aliases", "earlier", "forward", "inputs", "made", "outside", "shared")
+    __slots__ = ("aliases", "count", "earlier", "forward", "inputs", "made", "outside", "shared")
 
     def __init__(
         self,
         inputs: list[torch.Tensor],
-        outside: dict[int, weakref.ref[torch.Tensor]],
+        outside: dict[int, tuple[weakref.ref[torch.Tensor], int, int]],
         forward: bool,
         earlier: dict[int, _Made] | None = None,
     ) -> None:
@@ -176,7 +177,12 @@ class Provenance:
         # copies of module buffers. id -> (ref, what they stand for, version offset).
         self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int]] = {}
         self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
-        self.outside = outside  # shared by a forward and its recomputes: identity, checked
+        # Tensors from outside, shared by a forward and its recomputes: by identity (checked),
+        # each numbered in the order the forward first read it, with its version then. So
+        # signatures do not change from call to call (a program's, `Program`) as parameters
+        # step, or `functional_call` passes others.
+        self.outside = outside
+        self.count = 0  # (a forward's) tensors from outside numbered so far
         self.forward = forward
         # Made tensors by storage and layout, kept once a tensor subclass that re-wraps
         # outputs is met: its `as_subclass` alias outlives the op output it aliases.
@@ -196,14 +202,14 @@ class Provenance:
             if reads is not None and isinstance(alias[1][0], int):
                 reads.add(alias[1][0])  # it stands for that op's output
             return (*alias[1], t._version + alias[2])
-        entry = self.inputs.get(id(t))
-        if entry is not None:
-            return ("input", entry[0], t._version - entry[1])
+        position = self.inputs.get(id(t))
+        if position is not None:
+            return ("input", position[0], t._version - position[1])
         made = self.earlier.get(id(t))
         if made is not None and made.ref() is t:
             return (made.op, made.position, t._version - made.made_at)
-        ref = self.outside.get(id(t))
-        if ref is None or ref() is not t:
+        entry = self.outside.get(id(t))
+        if entry is None or entry[0]() is not t:
             if t.grad_fn is not None or _torch_private.rewraps_outputs(t):
                 shared = self._aliased(t)
                 if shared is not None:
@@ -212,8 +218,9 @@ class Provenance:
                     return shared
             if not self.forward:
                 return ("unknown", id(t))  # equal to nothing the forward recorded
-            self.outside[id(t)] = weakref.ref(t)
-        return ("outside", id(t), t._version)
+            entry = self.outside[id(t)] = (weakref.ref(t), self.count, t._version)
+            self.count += 1
+        return ("outside", entry[1], t._version - entry[2])
 
     def signature(self, op: Op, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
         """The op and its arguments, tensors replaced by where they came from."""
@@ -327,6 +334,40 @@ class _Shape(NamedTuple):
         return None
 
 
+DIVERGED = object()  # `Keeper.follow`: the op is not the program's next one
+_MAX_PROGRAMS = 16  # per owner and training mode
+
+
+class Program:
+    """The ops one forward of a region ran: what its later forwards follow (`Keeper.follow`).
+
+    Kept per region owner and training mode (`_modules.programs`), by policy and input
+    layouts. A following forward checks each op's signature against the program's and
+    keeps what the program's forward kept, instead of recording the op; the first op that
+    differs ends the following, and the forward records from there on.
+    """
+
+    __slots__ = (
+        "decisions",
+        "deps",
+        "layouts",
+        "ops",
+        "plan",
+        "roots",
+        "sigs",
+        "steps",
+        "table",
+    )
+
+    def __init__(self, keeper: Keeper) -> None:
+        self.ops, self.sigs = tuple(keeper.ops), tuple(keeper.sigs)
+        self.deps, self.layouts = tuple(keeper.deps), tuple(keeper.layouts)
+        self.roots, self.steps = tuple(keeper.roots), dict(keeper.steps)
+        self.table = keeper.table
+        self.decisions = dict(keeper.decisions)
+        self.plan = keeper.plan  # `memory_budget`'s
+
+
 class Keeper:
     """The forward side: signatures, the policy's decisions, and what the recompute needs."""
 
@@ -335,7 +376,9 @@ class Keeper:
         "chained",
         "chains",
         "costs",
+        "count",
         "decided",
+        "decisions",
         "deps",
         "described",
         "error",
@@ -350,11 +393,14 @@ class Keeper:
         "outside",
         "plan",
         "policy",
+        "program",
+        "programs",
         "provenance",
         "rebuilt_before",
         "roots",
         "saved_bytes",
         "signatures",
+        "sigs",
         "skip",
         "skips",
         "sources",
@@ -369,22 +415,25 @@ class Keeper:
         policy: Policy,
         inputs: list[torch.Tensor],
         sources: bool,
-        fn: Callable[..., Any],
+        owner: Any,
     ) -> None:
         self.policy = policy
         # op -> the policy's decision, for a policy that decides by the op alone
         self.decided: dict[Any, Decision] | None = {} if policy.by_op else None
-        self.ops: list[Any] = []
-        self.deps: list[tuple[int, ...]] = []  # op index -> indices of the ops it read
-        self.layouts: list[Any] = []  # op index -> output layouts, for placeholders
-        self.roots: list[int] = []  # ops that always run in the recompute
+        self.ops: Any = []  # op index -> the aten op (a program's tuple, while following it)
+        self.count = 0  # ops the forward ran so far
+        self.sigs: Any = []  # op index -> its signature
+        self.decisions: dict[int, Decision] = {}  # op index -> the policy's, when it keeps
+        self.deps: Any = []  # op index -> indices of the ops it read
+        self.layouts: Any = []  # op index -> output layouts, for placeholders
+        self.roots: Any = []  # ops that always run in the recompute
         # `memory_budget`: in-place steps (op index -> the op whose output it writes), and
         # once the forward finished, the chains they form (`_chains`).
         self.steps: dict[int, int] = {}
         self.chains: dict[int, tuple[int, ...]] = {}  # last step -> the chain's ops
         self.chained: dict[int, int] = {}  # op index -> its kept chain's last step
         self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
-        self.outside: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.outside: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self.provenance: Provenance | None = Provenance(_plain(inputs), self.outside, forward=True)
         self.made: dict[int, _Made] = {}  # the forward's, once it finished
         self.signatures: dict[Any, list[int]] = {}  # saved value -> handle indices, in order
@@ -406,22 +455,32 @@ class Keeper:
         self.plan: _budget.Plan | None = None
         self.costs: list[float] | None = None
         self.saved_bytes: dict[int, int] = {}
-        self.key: Any = None
+        # The program this region's earlier forwards ran (same owner, training mode, policy
+        # and input layouts), followed op by op while it fits (`follow`). A policy that
+        # looks at more than the op (a callable, names) records every forward.
+        self.key = (policy, tuple(map(_layout, inputs)))
+        self.programs = _modules.programs(owner) if policy.by_op else None
+        self.program: Program | None = None
+        if self.programs is not None:
+            self.program = self.programs.get(self.key)
+            if self.program is not None:
+                self.ops, self.steps = self.program.ops, self.program.steps
         if self.budget is not None:
-            self.key = _budget.signature(fn, _plain(inputs))
-            self.plan = _budget.lookup(self.budget, self.key)
+            self.plan = self.program.plan if self.program is not None else None
             self.costs = [] if self.plan is None else None
 
     def after(self, op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Record one forward op: its signature, and the policy's decision on its outputs."""
         provenance = self.provenance
         assert provenance is not None
-        index = len(self.ops)
+        index = self.count
+        self.count = index + 1
         func = op.func
         self.ops.append(func)
         kind = op.kind
         reads: set[int] = set()
         signature = provenance.signature(op, args, kwargs, reads)
+        self.sigs.append(signature)
         self.deps.append(() if kind == _READS_METADATA else tuple(reads))
         try:  # noqa: SIM105 - `suppress` costs a context manager per op
             self.table.setdefault(signature, []).append(index)
@@ -453,7 +512,58 @@ class Keeper:
             if self.decided is not None:
                 self.decided[op] = decision
         if decision is not Decision.RECOMPUTE:
+            self.decisions[index] = decision
             self._apply(index, decision, out)
+
+    def follow(self, op: Op, args: Any, kwargs: Any, run: _Run) -> Any:
+        """Run the next op of the forward if it is the program's next one (same signature),
+        keeping its outputs as the program's forward did; else stop following (`_diverge`)
+        and return `DIVERGED`: the caller records the op as a first forward does."""
+        program, provenance = self.program, self.provenance
+        assert program is not None
+        assert provenance is not None
+        index = self.count
+        try:
+            same = (
+                index < len(program.ops)
+                and op.func is program.ops[index]
+                and provenance.signature(op, args, kwargs, None) == program.sigs[index]
+            )
+        except Exception:  # an argument whose ``==`` raises (a process group): not the same
+            same = False
+        if not same:
+            self._diverge()
+            return DIVERGED
+        out = run(op, args, kwargs) if op.random else op.func(*args, **kwargs)
+        self.count = index + 1
+        if type(out) is torch.Tensor and provenance.shared is None and not op.view:
+            provenance.made[id(out)] = tuple.__new__(
+                _Made, (weakref.ref(out), index, 0, out._version)
+            )  # `Provenance.record`, for the usual op
+        else:
+            provenance.record(op, args, out, index)
+        decision = program.decisions.get(index)
+        if decision is not None:
+            self.decisions[index] = decision
+            self._apply(index, decision, out)
+        return out
+
+    def _diverge(self) -> None:
+        """The forward leaves its program at op `count`: from there it records every op, as
+        a first forward does, on the program's records of the ops before (those it ran)."""
+        program, count = self.program, self.count
+        assert program is not None
+        self.program = None
+        self.ops, self.sigs = list(program.ops[:count]), list(program.sigs[:count])
+        self.deps, self.layouts = list(program.deps[:count]), list(program.layouts[:count])
+        self.roots = [r for r in program.roots if r < count]
+        self.steps = {k: v for k, v in program.steps.items() if k < count}
+        self.table = {}
+        for index, signature in enumerate(self.sigs):
+            with contextlib.suppress(TypeError):  # an unhashable argument: never matched
+                self.table.setdefault(signature, []).append(index)
+        if self.budget is not None:
+            self._abandon()
 
     def _step(self, op: Op, args: Any, out: Any) -> bool:
         """Whether op ``op`` (it just ran) writes only its first argument, in place, once,
@@ -470,7 +580,7 @@ class Keeper:
             return False
         if any(t is not target for t in written(op.func, args, {})):
             return False
-        self.steps[len(self.ops) - 1] = made.op
+        self.steps[self.count - 1] = made.op
         return True
 
     def _budgeted(
@@ -486,20 +596,16 @@ class Keeper:
             # detaches such an output if something else holds it when the op returns, so
             # keeping it here adds an op that the planned forwards lack.
             return decided and op.kind != _READS_METADATA
-        plan = self.plan
-        if plan is None:
-            return False
-        if not plan.fits(index, op.func, self.layouts[index], self.deps[index]):
-            self._abandon()
-            return False
-        return index in plan.keep
+        return False  # a forward that left the planned one keeps nothing (`_abandon`)
 
     def _abandon(self) -> None:
         """The forward is not the one planned: keep nothing, and plan on the next call."""
-        _budget.store(self.budget, self.key, None)
+        if self.programs is not None:
+            self.programs.pop(self.key, None)
         self.plan = None
         self.kept.clear()
         self.offload.clear()
+        self.decisions.clear()
 
     def _cost(self, call: OpCall) -> float:
         assert self.budget is not None
@@ -552,7 +658,7 @@ class Keeper:
     def note_saved(self, t: torch.Tensor, handle: int) -> None:
         """Autograd saves ``t`` for a handle: the recompute runs up to here and rebuilds it."""
         assert self.provenance is not None
-        self.rebuilt_before = len(self.ops)
+        self.rebuilt_before = self.count
         plain = _torch_private.unwrap_all(t)
         descriptor = self.provenance.describe(plain)  # the op that made it, or what it aliases
         index = descriptor[0] if isinstance(descriptor[0], int) else None
@@ -581,7 +687,7 @@ class Keeper:
 
     def outside_tensors(self) -> list[torch.Tensor]:
         """The tensors from outside the region that the forward read, still alive."""
-        return [t for t in (ref() for ref in self.outside.values()) if t is not None]
+        return [t for t in (entry[0]() for entry in self.outside.values()) if t is not None]
 
     def finish(self, skip: bool = True) -> None:
         """End of forward: hold what the recompute reads, skip what it does not need.
@@ -591,14 +697,29 @@ class Keeper:
         """
         if self.error is not None:
             raise self.error
+        program = self.program
+        if program is not None:
+            if self.count == len(program.ops):  # it ran the program to its end: adopt it
+                self.sigs, self.deps, self.layouts = program.sigs, program.deps, program.layouts
+                self.roots, self.steps, self.table = program.roots, program.steps, program.table
+            else:
+                self._diverge()
         self.skips = self.skips and skip
         self.chains = self._chains() if self.steps else {}
         if self.costs is not None:
             self._choose()
         elif self.plan is not None and (
-            len(self.ops) != len(self.plan.ops) or self.wanted != self.plan.wanted
+            self.count != self.plan.ops or self.wanted != self.plan.wanted
         ):
             self._abandon()  # autograd saved other values: the plan's bound may not hold
+        if (
+            self.program is None
+            and self.programs is not None
+            and not (self.budget is not None and self.plan is None)
+        ):
+            if len(self.programs) >= _MAX_PROGRAMS:  # an owner run on ever new layouts
+                self.programs.clear()
+            self.programs[self.key] = Program(self)
         self.chained = {
             member: end for end in self.kept if end in self.chains for member in self.chains[end]
         }
@@ -635,18 +756,16 @@ class Keeper:
         for index in set(self.kept) - set(order):
             self.kept.pop(index)
             self.offload.pop(index, None)
+            self.decisions.pop(index, None)
         held = sum(candidates[i] for i in order)
         self.plan = _budget.Plan(
-            tuple(self.ops),
-            tuple(self.layouts),
-            tuple(self.deps),
+            self.count,
             frozenset(self.wanted),
             frozenset(order),
             why,
             plain,
             held,
         )
-        _budget.store(self.budget, self.key, self.plan)
         self.costs = None
 
     def _chains(self) -> dict[int, tuple[int, ...]]:
@@ -761,6 +880,11 @@ class Keeper:
         return _map(alias, torch.Tensor.detach)
 
 
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    """An input as a program's key sees it: layout, and its torch.func wrappers' kinds."""
+    return t.dtype, t.device, t.requires_grad, *_saved_as(t)
+
+
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_torch_private.unwrap_all(t) for t in tensors]
 
@@ -811,10 +935,12 @@ class Replayer:
     )
 
     def __init__(self, keeper: Keeper, inputs: list[torch.Tensor]) -> None:
+        if keeper.program is not None and not keeper.finished:  # inside a following forward
+            keeper._diverge()  # its records so far, for the replay to match against
         self.keeper = keeper
         made = keeper.provenance.made if keeper.provenance is not None else keeper.made
         self.provenance = Provenance(_plain(inputs), keeper.outside, forward=False, earlier=made)
-        self.cursor: dict[Any, int] = {}
+        self.cursor: dict[int, int] = {}  # id of the table's list of indices -> next
         self.handles = {key: list(reversed(hs)) for key, hs in keeper.signatures.items()}
         # id -> (the placeholder, kept alive so its id stays its own; the real device)
         self.placeholders: dict[int, tuple[torch.Tensor, torch.device]] = {}
@@ -841,6 +967,17 @@ class Replayer:
             if again is not None:
                 index, kwargs = again, moved
         keeper = self.keeper
+        if (
+            index is not None
+            and not self.placeholders
+            and not op.random
+            and index not in keeper.chained
+            and index not in keeper.kept
+            and index not in keeper.skip
+        ):  # matched, and it runs: the usual op
+            out = op.func(*args, **kwargs)
+            self.provenance.record(op, args, out, index)
+            return out
         end = keeper.chained.get(index) if index is not None else None
         if end is not None and end in keeper.kept and keeper.replayable(end):
             if index == keeper.chains[end][0]:
@@ -974,7 +1111,9 @@ class Replayer:
         transform, ``functional_call`` passes a module's buffers wrapped).
         """
         plain = _torch_private.unwrap_all
-        self.provenance.alias(plain(copy), ("outside", id(plain(original)), version))
+        entry = self.provenance.outside.get(id(plain(original)))
+        if entry is not None and entry[0]() is plain(original):  # (else the forward read none)
+            self.provenance.alias(plain(copy), ("outside", entry[1], version - entry[2]))
 
     def _match(self, signature: Any) -> int | None:
         try:
@@ -983,10 +1122,11 @@ class Replayer:
             return None
         if not indices:
             return None
-        k = self.cursor.get(signature, 0)
+        key = id(indices)  # (the table holds the list: its id is its signature's, and cheap)
+        k = self.cursor.get(key, 0)
         if k == len(indices):
             return None
-        self.cursor[signature] = k + 1
+        self.cursor[key] = k + 1
         return indices[k]
 
     def _skippable(self, op: Op, args: Any) -> bool:

@@ -47,20 +47,27 @@ from torch import nn
 from . import _torch_private
 from ._errors import RecomputeError, changed_since_forward, describe_meta, source_line
 
-__all__ = ["ModuleState", "Reached", "WriteGuard", "reachable"]
+__all__ = ["ModuleState", "Reached", "WriteGuard", "owner_of", "programs", "reachable"]
 
 
 class _Learned:
-    """What the watched forwards of one module (or owner, see `_owner`) showed, in one
+    """What the watched forwards of one module (or owner, see `owner_of`) showed, in one
     training mode (batch norm updates its statistics in training only)."""
 
-    __slots__ = ("seen", "updated")
+    __slots__ = ("programs", "seen", "updated")
 
     def __init__(self) -> None:
         self.updated: set[str] = set()  # names of its tensors a forward updated in place
         # For an owner: the objects its forwards reached that remat does not look into
         # (`Reached.opaque`), by identity, in the calls it watched.
         self.seen: set[tuple[int, ...]] = set()
+        # For an owner: the ops its forwards ran, per policy and input layouts (`_keep`).
+        self.programs: dict[Any, Any] = {}
+
+
+def programs(owner: Any) -> dict[Any, Any]:
+    """The programs of ``owner``'s forwards in its current training mode (made if needed)."""
+    return _learning(owner).programs
 
 
 # Per module (or owner), by id: a weak reference to it, and its records by training flag.
@@ -166,7 +173,7 @@ def _attributes(obj: Any) -> list[Any]:
     return [attributes] if isinstance(attributes, dict) else []
 
 
-def _owner(fn: Callable[..., Any], first: Any = None) -> Any:
+def owner_of(fn: Callable[..., Any], first: Any = None) -> Any:
     """What learns which inputs a region's forward updates: the module it runs (bound, or
     as the first argument of its class's method, as `remat.apply` calls it), else its code.
 
@@ -185,7 +192,7 @@ def _owner(fn: Callable[..., Any], first: Any = None) -> Any:
 
 
 class _Slot(NamedTuple):
-    module: Any  # an nn.Module, or what learns about a region's inputs (see `_owner`)
+    module: Any  # an nn.Module, or what learns about a region's inputs (see `owner_of`)
     table: dict[str, Any] | None  # None for an input
     name: str
     tensor: torch.Tensor
@@ -284,7 +291,7 @@ class ModuleState:
 
     @classmethod
     def capture(
-        cls, fn: Callable[..., Any], first: Any, reached: Reached, inputs: list[torch.Tensor]
+        cls, owner: Any, reached: Reached, inputs: list[torch.Tensor]
     ) -> ModuleState | None:
         """The state of a region about to run: slots, and snapshots of what it updates.
 
@@ -295,7 +302,6 @@ class ModuleState:
         reaches whose attributes remat does not search (`Reached.opaque`).
         """
         state = cls()
-        owner = _owner(fn, first)
         learned = _learned(owner)
         opaque = tuple(reached.opaque)
         inputs_updated = learned.updated if learned is not None else None

@@ -12,7 +12,7 @@ import torch
 from . import _torch_private
 from ._compiled import traced
 from ._engine import Region, running_region
-from ._modules import ModuleState, reachable
+from ._modules import ModuleState, owner_of, reachable
 from ._policies import OpCall, Policy, resolve
 
 __all__ = ["name", "remat"]
@@ -136,13 +136,15 @@ def remat(
         )
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         reached = reachable(fn, leaves)
-        modules = ModuleState.capture(fn, args[0] if args else None, reached, inputs)
+        owner = owner_of(fn, args[0] if args else None)
+        modules = ModuleState.capture(owner, reached, inputs)
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []
             generators = [*reached.generators, *extra]
         region = Region(
             fn,
+            owner,
             (args, kwargs),
             inputs,
             modules,
