@@ -277,6 +277,7 @@ class _Setting:
     def __init__(
         self,
         owner: Any,
+        reach: tuple[int, ...],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
         generators: list[torch.Generator],
@@ -289,7 +290,7 @@ class _Setting:
         self.rng = RngCapture() if preserve_rng else None
         self.generators = generators
         collecting = _introspect.current() is not None
-        self.keeper = Keeper(policy, inputs, collecting, owner) if policy.per_op else None
+        self.keeper = Keeper(policy, inputs, collecting, owner, reach) if policy.per_op else None
         self.trace: list[TraceEntry] | None = [] if debugging() else None
         # Other threads may draw from the shared generators: capture per random op.
         self.threaded = preserve_rng and threaded()
@@ -383,6 +384,7 @@ class Region:
         self,
         fn: Callable[..., Any],
         owner: Any,
+        reach: tuple[int, ...],
         call: tuple[tuple[Any, ...], dict[str, Any]],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
@@ -403,7 +405,7 @@ class Region:
         self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
         self.meta: list[_Meta] = []
         self.saved_inputs: set[int] = set()
-        self.setting = _Setting(owner, inputs, modules, generators, policy, preserve_rng)
+        self.setting = _Setting(owner, reach, inputs, modules, generators, policy, preserve_rng)
         self.levels, self.keeper = self.setting.levels, self.setting.keeper  # read everywhere
         self.transformed = bool(self.levels)  # under torch.func levels
         self.mode: OpMode | None = None  # the forward's, while it runs

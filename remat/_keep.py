@@ -416,6 +416,7 @@ class Keeper:
         inputs: list[torch.Tensor],
         sources: bool,
         owner: Any,
+        reach: tuple[int, ...],
     ) -> None:
         self.policy = policy
         # op -> the policy's decision, for a policy that decides by the op alone
@@ -455,10 +456,11 @@ class Keeper:
         self.plan: _budget.Plan | None = None
         self.costs: list[float] | None = None
         self.saved_bytes: dict[int, int] = {}
-        # The program this region's earlier forwards ran (same owner, training mode, policy
-        # and input layouts), followed op by op while it fits (`follow`). A policy that
-        # looks at more than the op (a callable, names) records every forward.
-        self.key = (policy, tuple(map(_layout, inputs)))
+        # The program this region's earlier forwards ran (same owner, training mode, policy,
+        # input layouts and modules reached: closures of one code over other modules run
+        # other programs), followed op by op while it fits (`follow`). A policy that looks
+        # at more than the op (a callable, names) records every forward.
+        self.key = (policy, tuple(map(_layout, inputs)), reach)
         self.programs = _modules.programs(owner) if policy.by_op else None
         self.program: Program | None = None
         if self.programs is not None:

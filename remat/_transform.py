@@ -145,6 +145,7 @@ def remat(
         region = Region(
             fn,
             owner,
+            tuple(map(id, reached.modules)),
             (args, kwargs),
             inputs,
             modules,

@@ -380,6 +380,56 @@ def test_a_forward_that_is_not_the_planned_one_keeps_nothing_and_plans_again():
     assert _held(f, x, False) > 0  # planned for the shallow one
 
 
+class _DropPath(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape[0], 1) > 0.25) / 0.75
+
+
+class _Block(torch.nn.Module):
+    """timm's ViT block in small: one instance has an ``Identity`` drop path, the others a
+    ``DropPath``; so instances of one class run different ops on the same shapes."""
+
+    def __init__(self, drop: torch.nn.Module) -> None:
+        super().__init__()
+        self.lin, self.drop = torch.nn.Linear(8, 8), drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return x + self.drop(h.sin() * h.tanh())  # the backward reads three values
+
+
+@pytest.mark.parametrize("how", ["apply", "closures"])
+def test_each_program_keeps_its_own_plan(how):
+    """Instances of one class, or closures of one code over other modules, that run other
+    ops on the same shapes plan once each and keep their plans (one plan per code and
+    layout was made and abandoned on every call, and the block that lost kept nothing)."""
+    calls: list[Any] = []
+
+    def cost(call: policies.OpCall) -> float:
+        calls.append(call.op)
+        return 1.0
+
+    policy = policies.memory_budget(0.5, cost=cost)
+    torch.manual_seed(0)
+    blocks = [_Block(torch.nn.Identity()), _Block(_DropPath()), _Block(_DropPath())]
+    if how == "apply":
+        steps = [remat.apply(b, _Block, policy=policy) for b in blocks]
+    else:
+
+        def over(block: torch.nn.Module) -> Any:
+            return rm(lambda x: block(x), policy=policy)
+
+        steps = [over(b) for b in blocks]
+    x = torch.randn(4, 8, requires_grad=True)
+    held = [[_held(step, x) for step in steps] for _ in range(4)]
+    assert calls
+    planned = len(calls)
+    held.append([_held(step, x) for step in steps])
+    assert len(calls) == planned
+    assert held[1:] == [held[1]] * 4, held
+    assert all(h > 0 for h in held[1]), held
+
+
 def test_offloaded_budget_moves_what_it_keeps():
     """``offload(memory_budget(f))`` holds on the offload device exactly what the budget keeps."""
     args = _mlp_args()
