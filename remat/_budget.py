@@ -1,20 +1,21 @@
-"""`memory_budget`'s choice: which values a region keeps, made once per region signature.
+"""`memory_budget`'s choice: which values a region keeps, made once per program.
 
-The first forward of a signature keeps every op output tentatively. When it ends,
-the candidates are the outputs the backward reads (a view's base stands for the
-view, the last step of an in-place chain for the chain); plain autograd's bytes for
-the region are what it saved. The choices for budgets of 0%, 1%, ..., 100% of plain's
-bytes are made together, as one chain of sets: each step keeps a superset of what the
-step below keeps. So a larger budget holds more bytes, and since every candidate is
-read by the backward, the recompute (what the backward needs, stopping at kept values)
-runs a subset of the ops. Three greedy rankings propose sets for each step (`_greedy`,
-twice, and `_growing`); of the chains through them, the one whose worst step is
-nearest the cheapest proposal for that step, then the cheapest in sum, is kept
-(`_nested`).
+The first forward of a program keeps every op output tentatively. When it ends, the
+candidates are the outputs the backward reads (a view's base stands for the view, the
+last step of an in-place chain for the chain); plain autograd's bytes for the region are
+what it saved. Both leave out the region's outputs, which the caller holds. The choices
+for budgets of 0%, 1%, ..., 100% of plain's bytes are made together, as one chain of
+sets: each step keeps a superset of what the step below keeps. So a larger budget holds
+more bytes, and since every candidate is read by the backward, the recompute (what the
+backward needs, stopping at kept values) runs a subset of the ops. Three greedy rankings
+propose sets for each step (`_greedy`, twice, and `_growing`); of the chains through
+them, the one whose worst step is nearest the cheapest proposal for that step, then the
+cheapest in sum, is kept (`_nested`).
 
-Later forwards of the signature replay the choice by op index, after checking that
-the ops, their output layouts, what each read and what autograd saved are the planned
-ones; if they are not, that forward keeps nothing and the next one chooses again.
+Later forwards of the program follow it (`Keeper.follow`): each op's signature is
+checked against the planned forward's, and what autograd saved against what it saved; a
+forward that leaves the program keeps nothing from there, and the next one chooses
+again.
 """
 
 from __future__ import annotations

@@ -452,7 +452,9 @@ class Region:
             recorded = bool(self.levels) and self.levels.records_recompute(
                 self.tensors + self.keeper.outside_tensors()
             )
-            self.keeper.finish(skip=not recorded)
+            leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=self.namespace)
+            outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+            self.keeper.finish(outputs, skip=not recorded)
         if self.levels:
             self.levels.watch_outputs(out)
         found = _introspect.current()

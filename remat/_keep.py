@@ -139,6 +139,14 @@ def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
+def _memory(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data starts (`storage_key`'s first part); None where it has no storage."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other layouts
+        return None
+
+
 def _version(out: Any) -> int:
     if isinstance(out, torch.Tensor):
         return out._version
@@ -691,9 +699,10 @@ class Keeper:
         """The tensors from outside the region that the forward read, still alive."""
         return [t for t in (entry[0]() for entry in self.outside.values()) if t is not None]
 
-    def finish(self, skip: bool = True) -> None:
+    def finish(self, outputs: list[torch.Tensor], skip: bool = True) -> None:
         """End of forward: hold what the recompute reads, skip what it does not need.
 
+        ``outputs``: the region's (`memory_budget` leaves them to the caller).
         ``skip=False`` (when a torch.func level records the recompute, see
         `Levels.records_recompute`) runs every op again except kept ones that are needed.
         """
@@ -709,7 +718,7 @@ class Keeper:
         self.skips = self.skips and skip
         self.chains = self._chains() if self.steps else {}
         if self.costs is not None:
-            self._choose()
+            self._choose(outputs)
         elif self.plan is not None and (
             self.count != self.plan.ops or self.wanted != self.plan.wanted
         ):
@@ -738,10 +747,15 @@ class Keeper:
         self.made = self.provenance.made  # type: ignore[union-attr]
         self.provenance, self.keys, self.finished = None, {}, True
 
-    def _choose(self) -> None:
-        """`memory_budget`'s first forward of a signature: choose what to keep, and plan."""
+    def _choose(self, outputs: list[torch.Tensor]) -> None:
+        """`memory_budget`'s first forward of a program: choose what to keep, and plan.
+
+        The region's outputs are the caller's: plain autograd's bytes for the region leave
+        them out (the next layer holds them, as its input), and so do the candidates.
+        """
         assert self.budget is not None
         assert self.costs is not None
+        theirs = {_memory(_torch_private.unwrap_all(t)) for t in outputs}
         limit = self.rebuilt_before
         starts = [i for i in self.wanted if i < limit] + [r for r in self.roots if r < limit]
         candidates: dict[int, int] = {}
@@ -750,8 +764,11 @@ class Keeper:
                 continue
             entry = self.kept.get(index)
             if entry is not None and _version(entry[0]) == entry[1]:
-                candidates[index] = sum(t.untyped_storage().nbytes() for t in _outputs(entry[0]))
-        plain = sum(self.saved_bytes.values())
+                made = _outputs(entry[0])
+                if not any(_memory(t) in theirs for t in made):
+                    candidates[index] = sum(t.untyped_storage().nbytes() for t in made)
+        theirs.discard(None)
+        plain = sum(n for memory, n in self.saved_bytes.items() if memory not in theirs)
         order, why = _budget.choose(
             self.budget.fraction, candidates, plain, self.deps, self.costs, starts, self.chains
         )
@@ -806,7 +823,7 @@ class Keeper:
             return ""
         return (
             f"; {self.budget!r} keeps it ({plan.why[index]}; the region holds {plan.held} "
-            f"of plain autograd's {plan.plain} bytes)"
+            f"of the {plan.plain} bytes plain autograd holds for it, its outputs aside)"
         )
 
     def release(self) -> None:

@@ -356,7 +356,7 @@ def test_saved_residuals_say_why():
     assert saved
     for r in saved:
         assert "memory_budget(0.6) keeps it (spares recompute cost" in r.source
-        assert "of plain autograd's" in r.source
+        assert "bytes plain autograd holds for it, its outputs aside" in r.source
 
 
 def test_a_forward_that_is_not_the_planned_one_keeps_nothing_and_plans_again():
@@ -428,6 +428,41 @@ def test_each_program_keeps_its_own_plan(how):
     assert len(calls) == planned
     assert held[1:] == [held[1]] * 4, held
     assert all(h > 0 for h in held[1]), held
+
+
+class _BasicBlock(torch.nn.Module):
+    """torchvision's ResNet BasicBlock: it ends in an in-place ReLU, which saves its output,
+    the block's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = (torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+        self.bn1, self.bn2 = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu_(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return torch.relu_(out)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_the_bound_leaves_the_region_output_to_the_caller(fraction):
+    """The budget's bound holds against what plain autograd holds for the region: not its
+    output, which the next layer holds (a budget of 0.25 held 33% of that, 0.5 held 66%)."""
+    torch.manual_seed(0)
+    block = _BasicBlock()
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    out: list[torch.Tensor] = []
+    saved = _plain_saved_bytes(lambda: out.append(block(x)))
+    plain = saved - out[0].untyped_storage().nbytes()
+    assert plain < saved  # plain autograd saves the output
+    f = rm(block, policy=policies.memory_budget(fraction))
+    held = [_held(f, x) for _ in range(2)]
+    assert held[0] == held[1] <= fraction * plain, (held, plain)
+    assert held[1] > 0 or fraction < 0.5
+    for r in remat.saved_residuals(f, x):
+        assert r.kind == "input" or f"of the {plain} bytes plain autograd" in r.source
 
 
 def test_offloaded_budget_moves_what_it_keeps():
