@@ -258,12 +258,14 @@ def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
 class _Setting:
     """What a region's recompute re-establishes from its forward, built at the forward.
 
-    The forward's torch.func levels, module state, autocast state, RNG capture and
-    per-op bookkeeping; `recreate` enters all of them for one recompute.
+    The forward's torch.func levels, module state, autocast state, whether subclasses'
+    ``__torch_function__`` ran, RNG capture and per-op bookkeeping; `recreate` enters all
+    of them for one recompute.
     """
 
     __slots__ = (
         "autocast",
+        "functions",
         "generators",
         "keeper",
         "levels",
@@ -287,6 +289,7 @@ class _Setting:
         self.levels = _functorch.Levels.capture(inputs)
         self.modules = modules
         self.autocast = _autocast_state()
+        self.functions = _torch_private.subclass_functions_enabled()
         self.rng = RngCapture() if preserve_rng else None
         self.generators = generators
         collecting = _introspect.current() is not None
@@ -353,6 +356,7 @@ class _Setting:
         running = _Running(None, pack, _identity, under_transforms=False)
         stack.enter_context(_torch_private.region_running(running))
         stack.enter_context(_autocast(self.autocast))
+        stack.enter_context(_torch_private.subclass_functions(self.functions))
         if self.levels:
             stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))

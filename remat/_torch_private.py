@@ -76,6 +76,8 @@ __all__ = [
     "set_version",
     "TorchDispatchMode",
     "checkpoint_options",
+    "subclass_functions_enabled",
+    "subclass_functions",
 ]
 
 
@@ -562,6 +564,24 @@ def set_version(t: torch.Tensor, version: int) -> None:
     torch has no public way to set a count.
     """
     torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+def subclass_functions_enabled() -> bool:
+    """Whether tensor subclasses' ``__torch_function__`` runs here.
+
+    A subclass's own ``__torch_function__`` turns it off while it runs: a backward
+    started inside one (``loss.backward()`` on a subclass) runs its hooks, and so
+    remat's recompute, with it off.
+    """
+    return bool(torch._C._is_torch_function_enabled())
+
+
+def subclass_functions(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Within the block, subclasses' ``__torch_function__`` runs if ``enabled`` (as it did
+    in the forward); torch has no public way to turn it back on."""
+    if subclass_functions_enabled() == enabled:
+        return contextlib.nullcontext()
+    return torch._C._EnableTorchFunction() if enabled else torch._C.DisableTorchFunctionSubclass()
 
 
 def _checkpoint_options() -> dict[str, Any]:

@@ -666,6 +666,28 @@ def test_trivial_tensor_subclass_input(device, policy, block, shape):
     assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
 
 
+def _sin_cos(a: torch.Tensor) -> torch.Tensor:
+    return (a.sin() * a.cos()).sum()
+
+
+@each_policy
+@each_device
+def test_tensor_subclass_leaf_and_backward_on_a_subclass(device, policy):
+    """A subclass leaf that requires grad, and ``backward()`` called on a subclass: the
+    subclass's ``__torch_function__`` runs the backward with subclass functions off, and
+    the recompute turns them back on as the forward had them (it saw plain ``cos``
+    outputs where the forward saw the subclass's aliases, a false RecomputeError)."""
+
+    def run(wrap):
+        x = _randn(0, 4, device=device).detach().as_subclass(_Sub).requires_grad_()
+        out = wrap(_sin_cos)(x)
+        assert type(out) is _Sub
+        out.backward()
+        return out.as_subclass(torch.Tensor), x.grad.as_subclass(torch.Tensor)
+
+    assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
+
+
 # 11. A generator created inside fn ------------------------------------------------------------
 
 
