@@ -546,6 +546,31 @@ def test_rewraps_outputs_tells_subclasses_that_convert_outputs():
     assert type(t.as_subclass(Sub).sin()) is Sub  # what makes remat index by storage
 
 
+def test_subclass_functions_are_off_in_a_subclass_backward_and_turn_back_on():
+    """``backward()`` on a subclass runs inside its ``__torch_function__``: subclass
+    functions are off in the hooks, and `subclass_functions(True)` turns them back on."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    seen = []
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(tp.subclass_functions_enabled())
+        with tp.subclass_functions(True):
+            seen.append(type(torch.ones(1).as_subclass(Sub).sin()).__name__)
+        with tp.subclass_functions(False):
+            seen.append(type(torch.ones(1).as_subclass(Sub).sin()).__name__)
+        return t
+
+    assert tp.subclass_functions_enabled()
+    x = torch.ones(2).as_subclass(Sub).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        y = x.sin().sum()
+    y.backward()
+    assert seen == [False, "Sub", "Tensor"]
+
+
 def test_install_leaves_torch_alone_outside_regions():
     """After `install`, outside regions torch.func still refuses to start under pushed hooks."""
     tp.install()
