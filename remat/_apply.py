@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from ._hf import WHILE_RECORDING, switched
 from ._policies import resolve
 from ._transform import PolicyLike, remat
 
@@ -48,12 +48,6 @@ class _Forward:
         return f"remat({type(self.module).__name__}.forward, {options})"
 
 
-def _checkpointing_layer() -> type | None:
-    """Hugging Face's layer base class, if transformers is loaded (it is never imported)."""
-    layers = sys.modules.get("transformers.modeling_layers")
-    return getattr(layers, "GradientCheckpointingLayer", None)
-
-
 def apply(
     model: _M,
     where: Where = None,
@@ -72,9 +66,10 @@ def apply(
     recomputes it already.
 
     Hugging Face layers (``GradientCheckpointingLayer``) are switched to remat through
-    their own checkpointing switch, as are the models above them that have it: they
-    rematerialize in training only, and drop the KV cache there as Hugging Face's own
-    checkpointing does (``use_cache=False``).
+    their own checkpointing switch, as are the models above them that have it: in
+    training, while autograd records, they rematerialize and drop the KV cache as
+    Hugging Face's own checkpointing does (``use_cache=False``); without autograd
+    (``generate()``) they run as plain, with the cache.
 
     Args:
         model: the model; it is changed in place and returned.
@@ -103,21 +98,22 @@ def apply(
     }
     remat(_identity, **options)  # checks the options now, not at the first call
     matches = _matching(model, where, "apply")
-    switched = _hugging_face(model, matches)
+    hugging_face = switched(model, matches)
     # torch's names, as Hugging Face calls `checkpoint(fn, *args)` and passes it no options.
     as_torch = {
         "policy": options["policy"],
         "preserve_rng_state": preserve_rng,
         "determinism_check": "default" if check == "shapes" else "none",
     }
-    for module in switched:
+    for module in hugging_face:
         # Hugging Face's own switch, as `activation_checkpointing_enable` sets it: the
-        # layers call `checkpoint`, and they and the models above them drop the cache.
+        # layers call `checkpoint`, and they and the models above them drop the cache,
+        # but only while autograd records (Hugging Face's flag says "in training").
         hf: Any = module
         hf._gradient_checkpointing_func = functools.partial(checkpoint, **as_torch)
-        hf.gradient_checkpointing = True
+        hf.gradient_checkpointing = WHILE_RECORDING
     for module in matches:
-        if not any(module is m for m in switched):
+        if not any(module is m for m in hugging_face):
             inner = module.__dict__.get("forward")
             if isinstance(inner, _Forward):
                 inner = inner.inner
@@ -138,30 +134,13 @@ def unapply(model: _M, where: Where = None) -> _M:
             del module.forward
             if forward.inner is not None:
                 module.forward = forward.inner
-    for module in _hugging_face(model, matches):
+    for module in switched(model, matches):
         func = module.__dict__.get("_gradient_checkpointing_func")
         if isinstance(func, functools.partial) and func.func is checkpoint:
             hf: Any = module
             del hf._gradient_checkpointing_func
             hf.gradient_checkpointing = False
     return model
-
-
-def _hugging_face(model: torch.nn.Module, matches: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The Hugging Face layers among ``matches``, and the modules above them with the same
-    switch (a model drops the KV cache by its own flag: GPT-2 passes it positionally)."""
-    layer = _checkpointing_layer()
-    if layer is None:
-        return []
-    layers = {id(m) for m in matches if isinstance(m, layer)}
-    if not layers:
-        return []
-    return [
-        m
-        for m in model.modules()
-        if id(m) in layers
-        or (hasattr(m, "gradient_checkpointing") and any(id(s) in layers for s in m.modules()))
-    ]
 
 
 def _matching(

@@ -103,7 +103,29 @@ def _qwen2_moe() -> Case:
     return Case(lambda: Qwen2MoeForCausalLM(config), Qwen2MoeDecoderLayer)
 
 
+def _t5() -> Case:
+    """An encoder-decoder."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return Case(lambda: T5ForConditionalGeneration(config), T5Block)
+
+
 CASES = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
+# T5's layers run their sublayers from a list, which `_layer_calls` cannot hook.
+MORE = {"t5": _t5}
 # Every model; and every model and policy. GPT-2's base model passes the KV cache to
 # its blocks positionally and drops it by its own flag, which `apply` must set too.
 NAMES = list(CASES)
@@ -112,7 +134,7 @@ NAMES_POLICIES = [(n, p) for n in CASES for p in POLICIES]
 
 def _model(name: str) -> tuple[nn.Module, type[GradientCheckpointingLayer]]:
     """A fresh ``name`` model in train mode, the same weights every time, and its layer class."""
-    case = CASES[name]()
+    case = {**CASES, **MORE}[name]()
     torch.manual_seed(0)
     return case.build().train(), case.layer
 
@@ -228,7 +250,7 @@ def test_training_steps_equal_plain(name, policy, train):
     assert calls == [4, 4]  # a forward and a recompute per step
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, *MORE])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_drops_the_kv_cache_in_training(name, policy):
     """The training call returns no filled KV cache, as under Hugging Face's checkpointing."""
@@ -308,3 +330,49 @@ def test_unapply_restores_plain(name):
     assert _held(model) == _held(plain)
     ids = _ids()
     assert model(input_ids=ids).past_key_values.get_seq_length() == SEQ
+
+
+def _generate(model: Any) -> Any:
+    """Greedy decoding of 8 tokens after the first half of `_ids`, with every step's scores."""
+    prompt = _ids()[:, : SEQ // 2]
+    torch.manual_seed(7)  # the same dropout masks in train mode
+    return model.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+def test_generate_equals_plain(name, mode):
+    """`generate()` after `remat.apply`, in train mode too: the tokens and every step's
+    scores are bitwise plain's (without autograd the layers keep the KV cache)."""
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer)
+    model.train(mode == "train")
+    plain.train(mode == "train")
+    got, expected = _generate(model), _generate(plain)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(expected.scores) == 8
+    _assert_same(expected.scores, got.scores)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+def test_hf_checkpointing_generate_in_train_mode_loses_the_context(name):
+    """Hugging Face's own checkpointing drops the KV cache in train mode without autograd
+    too: `generate()` scores the first token as plain does (the prefill, without the cache:
+    within rounding), and every later one without the context (remat's switch does not)."""
+    model, _ = _model(name)
+    plain = copy.deepcopy(model)
+    _hf_checkpointing_on(model)
+    got, expected = _generate(model), _generate(plain)
+    torch.testing.assert_close(got.scores[0], expected.scores[0])
+    for a, b in zip(got.scores[1:], expected.scores[1:], strict=True):
+        assert not torch.allclose(a, b)
