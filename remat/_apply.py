@@ -48,6 +48,80 @@ class _Forward:
         return f"remat({type(self.module).__name__}.forward, {options})"
 
 
+class _Checked(_Forward):
+    """A Hugging Face layer's ``forward`` under `apply`: the class's own, which checkpoints
+    through the layer's switch, once the switch is seen to be remat's still (`_Refusal`
+    guards the models `apply` was given, not the models above them)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        func = self.module.__dict__.get("_gradient_checkpointing_func")
+        if not (isinstance(func, functools.partial) and func.func is checkpoint):
+            inner = func.func if isinstance(func, functools.partial) else func
+            shown = f"`{inner.__module__}.{inner.__qualname__}`" if callable(inner) else repr(inner)
+            raise RuntimeError(
+                f"`remat.apply` made this {type(self.module).__name__} rematerialize through "
+                f"Hugging Face's checkpointing switch, which has since been set to {shown} "
+                "(by Hugging Face's switch on a model above the one `remat.apply` was given, "
+                f"for one). {_SWITCHING} To go back to remat, call `remat.apply` again."
+            )
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _Refusal:
+    """A Hugging Face model's ``_set_gradient_checkpointing`` under `apply`: it raises.
+
+    Hugging Face's ``activation_checkpointing_enable`` and ``_disable`` (``gradient_...``
+    in transformers 5.17) set every layer's switch through it, replacing remat's checkpoint
+    function without a word.
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(
+        self, enable: bool = True, gradient_checkpointing_func: Any = None, **_: Any
+    ) -> None:
+        layers = {
+            type(m).__name__
+            for m in self.module.modules()
+            if isinstance(m.__dict__.get("forward"), _Checked)
+        }
+        raise RuntimeError(
+            f"`remat.apply` made the {', '.join(sorted(layers))} layers of this "
+            f"{type(self.module).__name__} rematerialize through Hugging Face's checkpointing "
+            f"switch, which cannot be switched {'on' if enable else 'off'} here. {_SWITCHING}"
+        )
+
+
+_SWITCHING = (
+    "Hugging Face's `activation_checkpointing_enable`, `gradient_checkpointing_enable` (which "
+    "`Trainer` calls for `TrainingArguments(gradient_checkpointing=True)`) and their "
+    "`_disable` replace remat's checkpoint function. remat checkpoints the layers already: "
+    "leave that option False. To use Hugging Face's checkpointing instead, call "
+    "`remat.unapply(model)` first."
+)
+
+
+def _refuse_switching(model: torch.nn.Module) -> None:
+    """Guard each Hugging Face model in ``model`` whose layers `apply` switched, and only those."""
+    for module in model.modules():
+        if not hasattr(type(module), "_set_gradient_checkpointing"):
+            continue
+        guarded = isinstance(module.__dict__.get("_set_gradient_checkpointing"), _Refusal)
+        applied = any(isinstance(m.__dict__.get("forward"), _Checked) for m in module.modules())
+        if applied and not guarded:
+            hf: Any = module
+            hf._set_gradient_checkpointing = _Refusal(module)
+        elif guarded and not applied:
+            del module._set_gradient_checkpointing
+
+
 def apply(
     model: _M,
     where: Where = None,
@@ -69,7 +143,9 @@ def apply(
     their own checkpointing switch, as are the models above them that have it: in
     training, while autograd records, they rematerialize and drop the KV cache as
     Hugging Face's own checkpointing does (``use_cache=False``); without autograd
-    (``generate()``) they run as plain, with the cache.
+    (``generate()``) they run as plain, with the cache. Hugging Face's
+    ``activation_checkpointing_enable`` (which ``Trainer`` calls for
+    ``gradient_checkpointing=True``) and ``_disable`` then raise: `unapply` first.
 
     Args:
         model: the model; it is changed in place and returned.
@@ -113,11 +189,12 @@ def apply(
         hf._gradient_checkpointing_func = functools.partial(checkpoint, **as_torch)
         hf.gradient_checkpointing = WHILE_RECORDING
     for module in matches:
-        if not any(module is m for m in hugging_face):
-            inner = module.__dict__.get("forward")
-            if isinstance(inner, _Forward):
-                inner = inner.inner
-            module.forward = _Forward(module, options, inner)
+        inner = module.__dict__.get("forward")
+        if isinstance(inner, _Forward):
+            inner = inner.inner
+        kind = _Checked if any(module is m for m in hugging_face) else _Forward
+        module.forward = kind(module, options, inner)
+    _refuse_switching(model)
     return model
 
 
@@ -140,6 +217,7 @@ def unapply(model: _M, where: Where = None) -> _M:
             hf: Any = module
             del hf._gradient_checkpointing_func
             hf.gradient_checkpointing = False
+    _refuse_switching(model)
     return model
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import io
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -231,6 +234,11 @@ def _hf_checkpointing_on(model: Any) -> None:
     (enable or model.gradient_checkpointing_enable)()
 
 
+def _hf_checkpointing_off(model: Any) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    (disable or model.gradient_checkpointing_disable)()
+
+
 def _copy(model: nn.Module, how: str) -> nn.Module:
     if how == "deepcopy":
         return copy.deepcopy(model)
@@ -401,3 +409,120 @@ def test_t5_training_is_plain_without_the_cache():
     assert not all(torch.equal(a, b) for a, b in grads), (
         "plain's call with and without the cache agree bitwise here: update docs/models.md"
     )
+
+
+def _trainer(model: nn.Module, out: Path, **options: Any) -> Any:
+    """A Hugging Face `Trainer`: 3 steps of 2 sequences from a synthetic dataset, on the CPU."""
+    pytest.importorskip("accelerate", reason="Hugging Face's Trainer needs accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    rows = torch.randint(0, VOCAB, (6, SEQ), generator=torch.Generator().manual_seed(2))
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=LR,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        **options,
+    )
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _remat_switch(layer: nn.Module) -> bool:
+    """Whether ``layer``'s checkpoint function is remat's."""
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    return isinstance(func, functools.partial) and func.func is remat.checkpoint
+
+
+def test_trainer_steps_equal_plain(tmp_path):
+    """Three `Trainer` steps after `remat.apply` (and Trainer's checkpointing off): remat
+    recomputes each layer, and the losses and weights are bitwise plain's."""
+    model, layer = _model("llama")
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer, policy="save_matmuls")
+    trainer = _trainer(model, tmp_path / "remat")
+    with _layer_calls(model, layer) as calls:
+        trainer.train()
+    expected = _trainer(plain, tmp_path / "plain")
+    expected.train()
+    assert calls == [6, 6]  # a forward and a recompute per step
+    assert all(_remat_switch(m) for m in trainer.model.modules() if isinstance(m, layer))
+    assert len(_losses(trainer)) == 3
+    assert _losses(trainer) == _losses(expected)
+    _assert_same(dict(plain.named_parameters()), dict(model.named_parameters()))
+
+
+def _checkpointing_option() -> str:
+    """`TrainingArguments`' name for Hugging Face's checkpointing (5.23 deprecates the old one)."""
+    from transformers import TrainingArguments
+
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+
+
+def test_trainer_checkpointing_option_after_apply_raises(tmp_path):
+    """`Trainer` with Hugging Face's checkpointing on, after `remat.apply`: `train()` raises
+    before the first step, rather than train with torch's checkpoint in remat's place."""
+    model, layer = _model("llama")
+    remat.apply(model, layer)
+    trainer = _trainer(model, tmp_path, **{_checkpointing_option(): True})
+    option = pytest.raises(RuntimeError, match="leave that option False")
+    with _layer_calls(model, layer) as calls, option as error:
+        trainer.train()
+    assert "the LlamaDecoderLayer layers of this LlamaForCausalLM" in str(error.value)
+    assert calls == [0, 0]
+    assert all(_remat_switch(m) for m in model.modules() if isinstance(m, layer))
+
+
+@pytest.mark.parametrize("switch", [_hf_checkpointing_on, _hf_checkpointing_off], ids=["on", "off"])
+def test_hf_switch_after_apply_raises_and_changes_nothing(switch):
+    """Hugging Face's checkpointing switched on or off after `remat.apply` raises, and
+    remat stays; after `remat.unapply`, Hugging Face's switch works."""
+    model, layer = _model("gpt2")
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer)
+    with pytest.raises(RuntimeError, match=r"call `remat\.unapply\(model\)` first"):
+        switch(model)
+    with _layer_calls(model, layer) as calls:
+        history = _train(model)
+    assert calls == [4, 4]
+    _assert_same(_train(plain), history)
+    remat.unapply(model)
+    _hf_checkpointing_on(model)
+    assert not any(_remat_switch(m) for m in model.modules())
+    with _layer_calls(model, layer) as calls:
+        _train(model)
+    assert calls == [4, 4]  # Hugging Face's checkpoint recomputes
+
+
+def test_hf_switch_on_a_model_above_raises_at_the_next_call():
+    """`remat.apply` on GPT-2's base model and Hugging Face's switch on the model above it:
+    the next call of a layer raises, until `remat.apply` again."""
+    model, layer = _model("gpt2")
+    plain = copy.deepcopy(model)
+    remat.apply(model.transformer, layer)
+    _hf_checkpointing_on(model)
+    model.eval()  # Hugging Face's checkpoint does not run, so the error unwinds no checkpoint
+    ids = _ids()
+    with pytest.raises(RuntimeError, match=r"has since been set to `torch\.utils\.checkpoint"):
+        model(input_ids=ids)
+    remat.apply(model.transformer, layer)
+    model.train()
+    with _layer_calls(model, layer) as calls:
+        history = _train(model)
+    assert calls == [4, 4]
+    _assert_same(_train(plain), history)
