@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import remat
+from tests.helpers import POLICIES as EVERY_POLICY
 
 pytest.importorskip("transformers")
 
@@ -58,7 +59,8 @@ def _llama() -> Case:
     return Case(lambda: LlamaForCausalLM(config), LlamaDecoderLayer)
 
 
-def _gpt2() -> Case:
+def _gpt2(attention: str | None = None) -> Case:
+    """``attention``: the attention implementation, or None for the default."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -73,6 +75,7 @@ def _gpt2() -> Case:
         attn_pdrop=0.1,
         bos_token_id=0,
         eos_token_id=0,
+        attn_implementation=attention,
     )
     return Case(lambda: GPT2LMHeadModel(config), GPT2Block)
 
@@ -526,3 +529,99 @@ def test_hf_switch_on_a_model_above_raises_at_the_next_call():
         history = _train(model)
     assert calls == [4, 4]
     _assert_same(_train(plain), history)
+
+
+def _keeps_everything(policy: Any) -> bool:
+    """Whether a region under ``policy`` is its function itself (nothing is recomputed)."""
+    return bool(remat.remat(abs, policy=policy).policy.keeps_everything)
+
+
+# Every kind of policy: the ones that recompute, and those under which a region is `fn`.
+RECOMPUTING = {k: p for k, p in EVERY_POLICY.items() if not _keeps_everything(p)}
+KEEPING = {k: p for k, p in EVERY_POLICY.items() if _keeps_everything(p)}
+
+
+def _gpt2_regions_around_attention(attention: str, policy: Any) -> tuple[nn.Module, nn.Module]:
+    """A GPT-2 with ``attention``, its attention modules under `remat.apply`, and a plain copy."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    torch.manual_seed(0)
+    model = _gpt2(attention).build().train()
+    plain = copy.deepcopy(model)
+    remat.apply(model, GPT2Attention, policy=policy)
+    return model, plain
+
+
+WROTE = r"region around `GPT2Attention.forward` wrote to the Hugging Face cache it was given"
+
+
+# The engine's, not the cache's: GPT-2's SDPA attention with dropout, under a policy that
+# offloads what `save_ops(aten.mul)` keeps, fails its recompute without any cache too
+# ("rebuilt 4 of the 11 values"). The cache checks before it pass.
+OFFLOAD_SDPA_DROPOUT = pytest.mark.xfail(
+    strict=True, raises=remat.RecomputeError, reason="offloaded mul, SDPA with dropout"
+)
+WRITERS = [
+    pytest.param(
+        attention,
+        policy,
+        id=f"{attention}-{key}",
+        marks=[OFFLOAD_SDPA_DROPOUT]
+        if (attention, key) == ("sdpa", "offload:save_ops:mul_or_save_ops:cat")
+        else [],
+    )
+    for attention in ["eager", "sdpa"]
+    for key, policy in RECOMPUTING.items()
+]
+
+
+@pytest.mark.parametrize(("attention", "policy"), WRITERS)
+def test_region_that_writes_the_kv_cache_raises_at_its_forward(attention, policy):
+    """A region around GPT-2's attention, called with a KV cache while training: one
+    `RecomputeError` as its forward returns, never the cache filled twice; without autograd
+    or without a cache, it runs as plain."""
+    from transformers import DynamicCache
+
+    model, plain = _gpt2_regions_around_attention(attention, policy)
+    ids = _ids()
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(remat.RecomputeError, match=WROTE):
+        model(input_ids=ids, labels=ids, past_key_values=cache)
+    assert [cache.get_seq_length(i) for i in range(2)] == [SEQ, 0]  # the first layer's, once
+    with pytest.raises(remat.RecomputeError, match=WROTE):
+        model(input_ids=ids, labels=ids)  # the default call makes a cache
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    assert [cache.get_seq_length(i) for i in range(2)] == [SEQ, SEQ]
+    _assert_same(_train(plain, use_cache=False), _train(model, use_cache=False))
+
+
+@pytest.mark.parametrize("policy", KEEPING.values(), ids=list(KEEPING))
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_region_that_keeps_everything_writes_the_kv_cache_as_plain(attention, policy):
+    """Under a policy that keeps everything the region is its function, which nothing
+    recomputes: the call with a KV cache trains as plain and fills the cache once."""
+    from transformers import DynamicCache
+
+    model, plain = _gpt2_regions_around_attention(attention, policy)
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    got = _train(model, steps=1, past_key_values=caches[0])
+    _assert_same(_train(plain, steps=1, past_key_values=caches[1]), got)
+    assert [caches[0].get_seq_length(i) for i in range(2)] == [SEQ, SEQ]
+
+
+def test_region_that_reads_a_kv_cache_runs():
+    """A region given a Hugging Face cache that it only reads: no error, plain's gradient."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), 0)
+
+    def read(x: torch.Tensor, cache: Any) -> torch.Tensor:
+        return (x * cache.layers[0].keys).sin().sum()
+
+    x = torch.randn(1, 2, 3, 4, requires_grad=True)
+    (expected,) = torch.autograd.grad(read(x, cache), x)
+    (got,) = torch.autograd.grad(remat.remat(read)(x, cache), x)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == 3
