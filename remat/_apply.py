@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from ._hf import WHILE_RECORDING, switched
 from ._policies import resolve
 from ._transform import PolicyLike, remat
 
@@ -48,10 +48,78 @@ class _Forward:
         return f"remat({type(self.module).__name__}.forward, {options})"
 
 
-def _checkpointing_layer() -> type | None:
-    """Hugging Face's layer base class, if transformers is loaded (it is never imported)."""
-    layers = sys.modules.get("transformers.modeling_layers")
-    return getattr(layers, "GradientCheckpointingLayer", None)
+class _Checked(_Forward):
+    """A Hugging Face layer's ``forward`` under `apply`: the class's own, which checkpoints
+    through the layer's switch, once the switch is seen to be remat's still (`_Refusal`
+    guards the models `apply` was given, not the models above them)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        func = self.module.__dict__.get("_gradient_checkpointing_func")
+        if not (isinstance(func, functools.partial) and func.func is checkpoint):
+            inner = func.func if isinstance(func, functools.partial) else func
+            shown = f"`{inner.__module__}.{inner.__qualname__}`" if callable(inner) else repr(inner)
+            raise RuntimeError(
+                f"`remat.apply` made this {type(self.module).__name__} rematerialize through "
+                f"Hugging Face's checkpointing switch, which has since been set to {shown} "
+                "(by Hugging Face's switch on a model above the one `remat.apply` was given, "
+                f"for one). {_SWITCHING} To go back to remat, call `remat.apply` again."
+            )
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _Refusal:
+    """A Hugging Face model's ``_set_gradient_checkpointing`` under `apply`: it raises.
+
+    Hugging Face's ``activation_checkpointing_enable`` and ``_disable`` (``gradient_...``
+    in transformers 5.17) set every layer's switch through it, replacing remat's checkpoint
+    function without a word.
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(
+        self, enable: bool = True, gradient_checkpointing_func: Any = None, **_: Any
+    ) -> None:
+        layers = {
+            type(m).__name__
+            for m in self.module.modules()
+            if isinstance(m.__dict__.get("forward"), _Checked)
+        }
+        raise RuntimeError(
+            f"`remat.apply` made the {', '.join(sorted(layers))} layers of this "
+            f"{type(self.module).__name__} rematerialize through Hugging Face's checkpointing "
+            f"switch, which cannot be switched {'on' if enable else 'off'} here. {_SWITCHING}"
+        )
+
+
+_SWITCHING = (
+    "Hugging Face's `activation_checkpointing_enable`, `gradient_checkpointing_enable` (which "
+    "`Trainer` calls for `TrainingArguments(gradient_checkpointing=True)`) and their "
+    "`_disable` replace remat's checkpoint function. remat checkpoints the layers already: "
+    "leave that option False. To use Hugging Face's checkpointing instead, call "
+    "`remat.unapply(model)` first."
+)
+
+
+def _refuse_switching(model: torch.nn.Module) -> None:
+    """Guard each Hugging Face model in ``model`` whose layers `apply` switched, and only those."""
+    for module in model.modules():
+        if not hasattr(type(module), "_set_gradient_checkpointing"):
+            continue
+        guarded = isinstance(module.__dict__.get("_set_gradient_checkpointing"), _Refusal)
+        applied = any(isinstance(m.__dict__.get("forward"), _Checked) for m in module.modules())
+        if applied and not guarded:
+            hf: Any = module
+            hf._set_gradient_checkpointing = _Refusal(module)
+        elif guarded and not applied:
+            del module._set_gradient_checkpointing
 
 
 def apply(
@@ -72,9 +140,12 @@ def apply(
     recomputes it already.
 
     Hugging Face layers (``GradientCheckpointingLayer``) are switched to remat through
-    their own checkpointing switch, as are the models above them that have it: they
-    rematerialize in training only, and drop the KV cache there as Hugging Face's own
-    checkpointing does (``use_cache=False``).
+    their own checkpointing switch, as are the models above them that have it: in
+    training, while autograd records, they rematerialize and drop the KV cache as
+    Hugging Face's own checkpointing does (``use_cache=False``); without autograd
+    (``generate()``) they run as plain, with the cache. Hugging Face's
+    ``activation_checkpointing_enable`` (which ``Trainer`` calls for
+    ``gradient_checkpointing=True``) and ``_disable`` then raise: `unapply` first.
 
     Args:
         model: the model; it is changed in place and returned.
@@ -103,25 +174,27 @@ def apply(
     }
     remat(_identity, **options)  # checks the options now, not at the first call
     matches = _matching(model, where, "apply")
-    switched = _hugging_face(model, matches)
+    hugging_face = switched(model, matches)
     # torch's names, as Hugging Face calls `checkpoint(fn, *args)` and passes it no options.
     as_torch = {
         "policy": options["policy"],
         "preserve_rng_state": preserve_rng,
         "determinism_check": "default" if check == "shapes" else "none",
     }
-    for module in switched:
+    for module in hugging_face:
         # Hugging Face's own switch, as `activation_checkpointing_enable` sets it: the
-        # layers call `checkpoint`, and they and the models above them drop the cache.
+        # layers call `checkpoint`, and they and the models above them drop the cache,
+        # but only while autograd records (Hugging Face's flag says "in training").
         hf: Any = module
         hf._gradient_checkpointing_func = functools.partial(checkpoint, **as_torch)
-        hf.gradient_checkpointing = True
+        hf.gradient_checkpointing = WHILE_RECORDING
     for module in matches:
-        if not any(module is m for m in switched):
-            inner = module.__dict__.get("forward")
-            if isinstance(inner, _Forward):
-                inner = inner.inner
-            module.forward = _Forward(module, options, inner)
+        inner = module.__dict__.get("forward")
+        if isinstance(inner, _Forward):
+            inner = inner.inner
+        kind = _Checked if any(module is m for m in hugging_face) else _Forward
+        module.forward = kind(module, options, inner)
+    _refuse_switching(model)
     return model
 
 
@@ -138,30 +211,14 @@ def unapply(model: _M, where: Where = None) -> _M:
             del module.forward
             if forward.inner is not None:
                 module.forward = forward.inner
-    for module in _hugging_face(model, matches):
+    for module in switched(model, matches):
         func = module.__dict__.get("_gradient_checkpointing_func")
         if isinstance(func, functools.partial) and func.func is checkpoint:
             hf: Any = module
             del hf._gradient_checkpointing_func
             hf.gradient_checkpointing = False
+    _refuse_switching(model)
     return model
-
-
-def _hugging_face(model: torch.nn.Module, matches: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The Hugging Face layers among ``matches``, and the modules above them with the same
-    switch (a model drops the KV cache by its own flag: GPT-2 passes it positionally)."""
-    layer = _checkpointing_layer()
-    if layer is None:
-        return []
-    layers = {id(m) for m in matches if isinstance(m, layer)}
-    if not layers:
-        return []
-    return [
-        m
-        for m in model.modules()
-        if id(m) in layers
-        or (hasattr(m, "gradient_checkpointing") and any(id(s) in layers for s in m.modules()))
-    ]
 
 
 def _matching(

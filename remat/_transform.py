@@ -9,7 +9,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 import optree
 import torch
 
-from . import _torch_private
+from . import _hf, _torch_private
 from ._compiled import traced
 from ._engine import Region, running_region
 from ._modules import ModuleState, owner_of, reachable
@@ -155,7 +155,11 @@ def remat(
             compare,
             namespace,
         )
-        return region.forward()
+        check_caches = _hf.watch_caches(fn, leaves)
+        out = region.forward()
+        if check_caches is not None:
+            check_caches()  # raises if the forward wrote to a Hugging Face cache
+        return out
 
     wrapper.policy = resolved  # type: ignore[attr-defined]
     return wrapper
