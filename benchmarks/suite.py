@@ -286,6 +286,55 @@ def budget_summary(sweep: Sequence[Row], dominance: Sequence[Row]) -> str:
     return " ".join(lines)
 
 
+OVERHEAD = GPTConfig(vocab=64, seq=16, width=16, heads=2, blocks=8, dropout=0.1)
+# Each remat policy, and the peer whose overhead it is compared with.
+OVERHEAD_PEERS = {
+    "remat save_nothing": "torch.utils.checkpoint",
+    "remat save_matmuls": SAC,
+    "remat memory_budget(0.5)": SAC,
+}
+
+
+def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> list[Row]:
+    """A transformer so small that compute is negligible (pre-LayerNorm, dropout; width 16,
+    8 blocks, batch 2 x 16 by default): a step's time over plain's is each mode's Python
+    overhead, as in an eager GPU step whose CPU issue time is the step time."""
+    found = modes()[0]
+    chosen = {mode: found[mode] for mode in ("plain", "torch.utils.checkpoint", SAC)}
+    chosen["remat save_nothing"] = found["remat save_nothing"]
+    chosen["remat save_matmuls"] = found["remat save_matmuls"]
+    chosen["remat memory_budget(0.5)"] = remat.remat(policy=remat.policies.memory_budget(0.5))
+    return gpt_workload(
+        f"overhead: width {config.width}, {config.blocks} blocks, 2 x {config.seq}",
+        config,
+        2,
+        rounds,
+        5,
+        device,
+        all_modes=chosen,
+    )
+
+
+def overhead_summary(rows: Sequence[Row]) -> str:
+    """Each remat policy's overhead over plain (median step time minus plain's) relative to
+    its peer's: torch.utils.checkpoint for save_nothing, SAC for the per-op policies."""
+    by_mode = {r.mode: r for r in rows}
+    plain = by_mode["plain"].time
+    if plain is None:
+        return ""
+    overheads = {mode: (row.time or 0.0) - plain for mode, row in by_mode.items()}
+    parts = [
+        f"{mode.removeprefix('remat ')} {overheads[mode] * 1e3:.2f} ms = "
+        f"{overheads[mode] / overheads[peer]:.2f}x {peer.split(' (')[0]}'s "
+        f"{overheads[peer] * 1e3:.2f} ms"
+        for mode, peer in OVERHEAD_PEERS.items()
+    ]
+    return (
+        f"Overhead over plain's {plain * 1e3:.2f} ms step, medians of "
+        f"{len(by_mode['plain'].times)} interleaved rounds: " + "; ".join(parts) + "."
+    )
+
+
 @torch._inductor.config.patch(compile_threads=1)
 def compiled_budget_workload(
     config: GPTConfig,
@@ -819,6 +868,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     note = per_sample.pop()
     rows += per_sample
     rows += placement_workload(2 if args.smoke else 6, width, 64 if args.smoke else 2048, device)
+    overhead_rows = overhead_workload(OVERHEAD, 1 if args.smoke else 40, device)
+    rows += overhead_rows
 
     micro = overhead(3 if args.smoke else 15) if device.type == "cpu" else {}
     rng = (
@@ -842,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     tables = format_rows(rows)
     budget = budget_summary(budget_rows, dominance) if dominance[0].times else ""
-    lines = [header, missing or "", tables, budget, note]
+    lines = [header, missing or "", tables, budget, overhead_summary(overhead_rows), note]
     if micro:
         lines.append(
             "Tiny region, forward and backward, us per call: "
@@ -865,6 +916,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "rows": [{**dataclasses.asdict(r), "time": r.time} for r in rows],
         "per_sample_note": note,
         "budget_summary": budget,
+        "overhead_summary": overhead_summary(overhead_rows),
         "overhead_us": micro,
         "rng_block_forward_ms": rng,
         "plots": files,

@@ -32,6 +32,8 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
             if workload.startswith("compiled"):
                 expected = {"activation_memory_budget=0.5", "activation_memory_budget=1"}
         found = {r["mode"] for r in written["rows"] if r["workload"] == workload}
+        if workload.startswith("overhead:"):
+            expected = {"plain", "torch.utils.checkpoint", suite.SAC, *suite.OVERHEAD_PEERS}
         if workload.startswith("budget against SAC"):  # budgets chosen by the sweep's bytes
             expected = {"plain", suite.SAC, "remat save_matmuls"}
             found = {m for m in found if not m.startswith("memory_budget")}
@@ -46,6 +48,8 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     assert table.strip() in capsys.readouterr().out
     assert "fails" in written["per_sample_note"]
     assert "non-decreasing in the budget" in written["budget_summary"]
+    assert "save_matmuls" in written["overhead_summary"]
+    assert any(w.startswith("overhead:") for w in workloads)
     # torch's budget compiles its own graph (not compiled plain's, cached by Dynamo).
     compiled = {r["mode"]: r["held"] for r in written["rows"] if "compiled" in r["workload"]}
     assert compiled["activation_memory_budget=0.5"] < compiled["activation_memory_budget=1"]
