@@ -1223,9 +1223,13 @@ def written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 
 def _move(out: Any, device: torch.device) -> Any:
+    """``out``'s tensors copied to ``device``, strides kept: ops that read a copy back
+    (``expand`` then ``reshape`` copies a transposed tensor, views a contiguous one) run
+    what they ran on the original."""
+
     def move(t: torch.Tensor) -> torch.Tensor:
         pin = t.device.type == "cuda" and device.type == "cpu"
-        copy = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+        copy = torch.empty_like(t, device=device, pin_memory=pin)
         return copy.copy_(t, non_blocking=pin or device.type == "cuda")
 
     return _map(out, move)

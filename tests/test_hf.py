@@ -555,21 +555,8 @@ def _gpt2_regions_around_attention(attention: str, policy: Any) -> tuple[nn.Modu
 WROTE = r"region around `GPT2Attention.forward` wrote to the Hugging Face cache it was given"
 
 
-# The engine's, not the cache's: GPT-2's SDPA attention with dropout, under a policy that
-# offloads what `save_ops(aten.mul)` keeps, fails its recompute without any cache too
-# ("rebuilt 4 of the 11 values"). The cache checks before it pass.
-OFFLOAD_SDPA_DROPOUT = pytest.mark.xfail(
-    strict=True, raises=remat.RecomputeError, reason="offloaded mul, SDPA with dropout"
-)
 WRITERS = [
-    pytest.param(
-        attention,
-        policy,
-        id=f"{attention}-{key}",
-        marks=[OFFLOAD_SDPA_DROPOUT]
-        if (attention, key) == ("sdpa", "offload:save_ops:mul_or_save_ops:cat")
-        else [],
-    )
+    pytest.param(attention, policy, id=f"{attention}-{key}")
     for attention in ["eager", "sdpa"]
     for key, policy in RECOMPUTING.items()
 ]

@@ -605,6 +605,24 @@ def test_offload_on_cpu_lists_offloaded_values_and_matches_plain():
     )
 
 
+def _scaled_then_batched(x: torch.Tensor) -> torch.Tensor:
+    """SDPA's math path in small: a transposed product, expanded and reshaped (a copy of a
+    transposed tensor, a view of a contiguous one)."""
+    scaled = x.transpose(-1, -2) * 0.5
+    batched = scaled.expand(scaled.shape).reshape(-1, *scaled.shape[-2:])
+    return batched.sin().sum()
+
+
+def test_offloaded_value_keeps_its_strides():
+    """A kept value comes back from the offload device with its strides, so the ops that
+    read it run what they ran in the forward (a contiguous copy made ``reshape`` a view:
+    "rebuilt 4 of the 11 values" on GPT-2's SDPA attention with dropout)."""
+    x = torch.randn(2, 3, 4, 5, requires_grad=True)
+    f = remat(_scaled_then_batched, policy=offload(policies.save_ops(aten.mul)))
+    assert [r.kind for r in saved_residuals(f, x)].count("offloaded") == 1
+    assert_tree_equal(torch.autograd.grad(f(x), x), torch.autograd.grad(_scaled_then_batched(x), x))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_offload_on_cuda_frees_device_memory_until_backward():
