@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -819,3 +820,59 @@ def test_offloaded_value_under_func_grad():
     x = torch.linspace(-1, 1, 5, dtype=DTYPE)
     expected = torch.func.grad(lambda x: x.exp().tanh().sum())(x)
     assert_tree_equal(torch.func.grad(lambda x: f(x).sum())(x), expected)
+
+
+# 9. Programs: later forwards follow the first ------------------------------------------------
+
+
+class _Branchy(torch.nn.Module):
+    """Data-dependent control flow after a shared start: ``deep`` adds a product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor, deep: bool) -> torch.Tensor:
+        h = torch.tanh(x @ self.w)
+        if deep:
+            h = torch.sigmoid(h @ self.w)
+        return (h.sin() * h).sum()
+
+
+@pytest.mark.parametrize("policy", ["save_matmuls", offload(save_ops(aten.mm))])
+def test_later_forwards_follow_the_program_and_leave_it_where_it_differs(monkeypatch, policy):
+    """The second forward of the same program records no op (it follows the first); a
+    forward that differs records from the op where it left the program, keeps what the
+    policy keeps there, and gives plain's gradients; the next one follows the new program."""
+    from remat import _keep
+
+    recorded: list[str] = []
+    after = _keep.Keeper.after
+
+    def counting(self: Any, op: Any, *rest: Any) -> None:
+        recorded.append(str(op.func.overloadpacket))
+        after(self, op, *rest)
+
+    monkeypatch.setattr(_keep.Keeper, "after", counting)
+    torch.manual_seed(0)
+    model = _Branchy()
+    f = remat(model, policy=policy)
+    x = torch.randn(6, 6, requires_grad=True)
+    counts = []
+    for deep in (False, False, True, True, False):
+        recorded.clear()
+        got = torch.autograd.grad(f(x, deep), (x, model.w))
+        assert_tree_equal(got, torch.autograd.grad(model(x, deep), (x, model.w)))
+        kept = saved_residuals(f, x, deep)
+        assert [str(r.op.overloadpacket) for r in kept if r.op is not None] == ["aten.mm"] * (
+            1 + deep
+        )
+        counts.append(len(recorded))
+    recorded.clear()
+    remat(_Branchy(), policy=policy)(x, True)  # a first forward of the deep program
+    deep = len(recorded)
+    first, followed, left, followed_deep, back = counts
+    assert first > 0
+    assert followed == followed_deep == 0
+    assert left == deep - 2  # from the op after the shared start (`mm`, `tanh`)
+    assert back == first - 2
