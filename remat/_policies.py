@@ -303,10 +303,11 @@ class memory_budget(Policy):  # noqa: N801
     holds for the region (its inputs, held by reference, are not counted). Among the
     values the backward reads, the budget keeps those whose recompute costs most per
     byte (``cost`` estimates an op's cost; by default a roofline: FLOPs for matrix
-    products and convolutions, bytes moved for the rest). The choice is made on the
-    first call of each region signature (function, input shapes, dtypes and devices),
-    which holds every value its backward reads until the region ends, and replayed
-    after. A larger ``fraction`` never holds less nor recomputes more. ``0`` is
+    products and convolutions, bytes moved for the rest). The region's outputs are the
+    caller's: neither counted nor kept. The choice is made on the first call of each
+    region program (module or function, training mode, input shapes, dtypes and
+    devices), which holds every value its backward reads until the region ends, and
+    followed after. A larger ``fraction`` never holds less nor recomputes more. ``0`` is
     `save_nothing`, ``1`` is `save_everything`.
 
     Examples:
