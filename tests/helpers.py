@@ -69,6 +69,22 @@ def identity(x: Any) -> Any:
 # Pytrees --------------------------------------------------------------------------------------
 
 
+class BasicBlock(torch.nn.Module):
+    """torchvision's ResNet BasicBlock, small: batch norms, and an in-place ReLU at the end,
+    which saves its output, the block's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = (torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+        self.bn1, self.bn2 = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu_(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return torch.relu_(out)
+
+
 class Marker:
     """A custom non-tensor leaf, meaningful only by identity."""
 

@@ -27,6 +27,7 @@ from remat import remat as rm
 from tests.helpers import (
     KINDS,
     NAMESPACE,
+    BasicBlock,
     Block,
     Box,
     Case,
@@ -430,28 +431,12 @@ def test_each_program_keeps_its_own_plan(how):
     assert all(h > 0 for h in held[1]), held
 
 
-class _BasicBlock(torch.nn.Module):
-    """torchvision's ResNet BasicBlock: it ends in an in-place ReLU, which saves its output,
-    the block's own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.conv2 = (torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
-        self.bn1, self.bn2 = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu_(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return torch.relu_(out)
-
-
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
 def test_the_bound_leaves_the_region_output_to_the_caller(fraction):
     """The budget's bound holds against what plain autograd holds for the region: not its
     output, which the next layer holds (a budget of 0.25 held 33% of that, 0.5 held 66%)."""
     torch.manual_seed(0)
-    block = _BasicBlock()
+    block = BasicBlock()
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     out: list[torch.Tensor] = []
     saved = _plain_saved_bytes(lambda: out.append(block(x)))

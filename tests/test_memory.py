@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import remat
+from tests.helpers import BasicBlock
 
 
 def test_storage_resize_is_counted():
@@ -79,27 +80,12 @@ def test_nested_trackers_both_see_a_resize():
     del t
 
 
-class _BasicBlock(torch.nn.Module):
-    """torchvision's ResNet BasicBlock, small."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.conv2 = (torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
-        self.bn1, self.bn2 = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu_(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return torch.relu_(out)
-
-
 def test_batch_norm_regions_hold_the_running_statistics_and_no_more():
     """docs/limitations.md: a region with batch norm in training holds, besides what
     torch.utils.checkpoint holds, its running statistics' values from before the forward
     (from its second call on, once it learned that the forward updates them)."""
     torch.manual_seed(0)
-    blocks = torch.nn.Sequential(_BasicBlock(), _BasicBlock())
+    blocks = torch.nn.Sequential(BasicBlock(), BasicBlock())
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
 
     def held(wrap) -> int:
