@@ -76,6 +76,8 @@ class OpMode(_torch_private.TorchDispatchMode):
         if self.paused or _local.quiet:
             return func(*args, **kwargs)
         op = _OPS.get(id(func)) or op_info(func)
+        if self.watch is not None and self.watch.statistics:
+            self.watch.before_read(func, args)
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
         keeper = self.keeper

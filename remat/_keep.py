@@ -1206,9 +1206,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 # Batch norm kernels that update the running statistics (arguments 3 and 4) in training
 # (argument 5), which their schemas do not declare (nor does autograd count a version).
-_UNDECLARED_WRITES = frozenset(
-    {aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default}
-)
+_UNDECLARED_WRITES = _modules.BATCH_NORM_OPS
 
 
 def written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:

@@ -47,17 +47,27 @@ from torch import nn
 from . import _torch_private
 from ._errors import RecomputeError, changed_since_forward, describe_meta, source_line
 
-__all__ = ["ModuleState", "Reached", "WriteGuard", "owner_of", "programs", "reachable"]
+__all__ = [
+    "BATCH_NORM_OPS",
+    "ModuleState",
+    "Reached",
+    "WriteGuard",
+    "owner_of",
+    "programs",
+    "reachable",
+]
 
 
 class _Learned:
     """What the watched forwards of one module (or owner, see `owner_of`) showed, in one
     training mode (batch norm updates its statistics in training only)."""
 
-    __slots__ = ("programs", "seen", "updated")
+    __slots__ = ("programs", "read", "seen", "updated")
 
     def __init__(self) -> None:
         self.updated: set[str] = set()  # names of its tensors a forward updated in place
+        # Its batch norm statistics that an op besides batch norm read (`_write_only`).
+        self.read: set[str] = set()
         # For an owner: the objects its forwards reached that remat does not look into
         # (`Reached.opaque`), by identity, in the calls it watched.
         self.seen: set[tuple[int, ...]] = set()
@@ -246,6 +256,66 @@ def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
     return owned
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+aten = torch.ops.aten
+# The kernels that write the running statistics (arguments 3 and 4) in training.
+BATCH_NORM_OPS = frozenset(
+    {aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default}
+)
+
+
+def _write_only(module: nn.Module, name: str, t: torch.Tensor, record: _Learned | None) -> bool:
+    """Whether ``module``'s forward writes its buffer ``name`` and nothing reads it: batch
+    norm's running statistics in training, whose output reads the batch's own statistics
+    (and its count of batches, which it only adds 1 to, unless ``momentum`` is None);
+    unless a watched forward or a recompute saw another op read them (`_Learned.read`)."""
+    counted = name == "num_batches_tracked" and getattr(module, "momentum", None) is not None
+    return (
+        (name in ("running_mean", "running_var") or counted)
+        and isinstance(module, _BATCH_NORMS)
+        and type(module).forward is nn.BatchNorm2d.forward
+        and module.training
+        and (record is None or name not in record.read)
+        and _torch_private.unwrap_all(t) is t
+    )
+
+
+class _Scratch(torch.Tensor):
+    """A batch norm's running statistic in the recompute: scratch memory for its write.
+
+    Batch norm's function gets the plain scratch tensor; any other use raises, as the
+    scratch holds no value, and teaches the module's later forwards to keep the value.
+    """
+
+    slot: _Slot
+    plain: torch.Tensor
+
+    @staticmethod
+    def of(plain: torch.Tensor, slot: _Slot) -> _Scratch:
+        scratch = plain.as_subclass(_Scratch)
+        scratch.slot, scratch.plain = slot, plain
+        return scratch
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.add_ and isinstance(args[0], _Scratch) and not kwargs:
+            return args[0].plain.add_(*args[1:])  # the count of batches
+        if func is torch.nn.functional.batch_norm:
+            args = tuple(a.plain if isinstance(a, _Scratch) else a for a in args)
+            kwargs = {k: v.plain if isinstance(v, _Scratch) else v for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+        scratch = next(a for a in (*args, *kwargs.values()) if isinstance(a, _Scratch))
+        slot = scratch.slot
+        _learning(slot.module).read.add(slot.name)
+        raise RecomputeError(
+            f"`remat`: the recompute read `{slot.name}` of {type(slot.module).__name__} "
+            f"through {getattr(func, '__name__', func)}, which remat did not keep: its "
+            "earlier forwards only updated it as batch norm's running statistic. Later "
+            "calls keep it."
+        )
+
+
 class ModuleState:
     """The parameter and buffer slots of some modules, as the region's forward saw them.
 
@@ -261,10 +331,12 @@ class ModuleState:
         "loose",
         "lost",
         "opaque",
+        "scratch",
         "settled",
         "sharded",
         "slots",
         "snapshots",
+        "statistics",
         "taken",
         "watching",
         "written",
@@ -273,6 +345,11 @@ class ModuleState:
     def __init__(self) -> None:
         self.slots: list[_Slot] = []
         self.snapshots: dict[int, torch.Tensor] = {}  # slot index -> value before the forward
+        # Slots the forward writes and reads only as batch norm's running statistics: no
+        # snapshot; the recompute writes scratch memory (`_write_only`, `_Scratch`).
+        self.scratch: set[int] = set()
+        # A watched forward: such slots' memory -> slot index, to learn of other reads.
+        self.statistics: dict[int, int] = {}
         self.generators: list[Any] = []  # explicit torch.Generators kept as module attributes
         self.sharded: list[_Slot] = []  # FSDP2's sharded parameters, for their versions only
         # Reached by reference, and their versions (at entry, then when the forward ended).
@@ -320,6 +397,7 @@ class ModuleState:
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
+        candidates: list[int] = []  # slots `_write_only` allows to be scratch
         for sub in submodules:
             # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
             if torch.Generator in map(type, vars(sub).values()):
@@ -336,15 +414,21 @@ class ModuleState:
                         if dtensor is not None and isinstance(t, dtensor):
                             state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
                         continue
-                    if name in updated:
+                    write_only = table is sub._buffers and _write_only(sub, name, t, record)
+                    if write_only and name in updated:
+                        state.scratch.add(len(slots))
+                    elif name in updated:
                         with torch.no_grad():
                             state.snapshots[len(slots)] = t.detach().clone()
+                    if write_only:
+                        candidates.append(len(slots))
                     slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, inputs))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
         if unlearned:
             state.watching, state.learners, state.opaque = True, unlearned, (owner, opaque)
+            state.statistics = {_memory(slots[i].tensor): i for i in candidates}
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
                 state.before = {
                     i: _torch_private.unwrap_all(slot.tensor).detach()
@@ -366,11 +450,28 @@ class ModuleState:
                         self.snapshots[i] = before.clone()
                     self.taken.add(i)
 
+    def before_read(self, func: Any, args: Any) -> None:
+        """A watched forward runs ``func``: if it reads batch norm's running statistics
+        other than as batch norm's own, they are read (the recompute must see them)."""
+        stats = self.statistics
+        skip = (3, 4) if func in BATCH_NORM_OPS else (0,) if func is aten.add_.Tensor else ()
+        for position, arg in enumerate(args):
+            if position in skip:
+                continue
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(t, torch.Tensor):
+                    i = stats.get(_memory(t))
+                    if i is not None:
+                        slot = self.slots[i]
+                        _learning(slot.module).read.add(slot.name)
+
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.settled = True
         self.ended = [slot.tensor._version for slot in self.slots]
         for i, slot in enumerate(self.slots):
+            if i in self.scratch:  # updated, as learned; the recompute writes scratch
+                continue
             t = slot.tensor
             if slot.table is not None and slot.table.get(slot.name) is not t:  # replaced
                 self.snapshots.pop(i, None)
@@ -443,6 +544,14 @@ class ModuleState:
         swaps: list[tuple[dict[str, Any], str, Any]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for i, slot in enumerate(self.slots):
+            if i in self.scratch:
+                assert slot.table is not None
+                plain = torch.empty_like(slot.tensor)
+                version = slot.version
+                _torch_private.set_version(plain, version)
+                swaps.append((slot.table, slot.name, _Scratch.of(plain, slot)))
+                copies.append((plain, slot.tensor, version))
+                continue
             snapshot = self.snapshots.get(i)
             if snapshot is None and self.before and _memory(slot.tensor) != slot.memory:
                 snapshot = self.before[i]  # inside a watched forward, after a `.data` assignment

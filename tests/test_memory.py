@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+from typing import Any
+
 import pytest
 import torch
 
 import remat
+from tests import helpers
 from tests.helpers import BasicBlock
 
 
@@ -80,31 +85,92 @@ def test_nested_trackers_both_see_a_resize():
     del t
 
 
-def test_batch_norm_regions_hold_the_running_statistics_and_no_more():
-    """docs/limitations.md: a region with batch norm in training holds, besides what
-    torch.utils.checkpoint holds, its running statistics' values from before the forward
-    (from its second call on, once it learned that the forward updates them)."""
+def _held_and_state(blocks: torch.nn.Module, wrap: Any, x: torch.Tensor) -> tuple[int, Any]:
+    """Bytes held after the forward of ``blocks`` with each block under ``wrap``; then
+    the gradients and buffers after its backward."""
+    with remat.memory.track() as mem:
+        h = x
+        for block in blocks:
+            h = wrap(block)(h)
+        live = mem.live
+        h.sum().backward()
+    grads = [p.grad.clone() for p in blocks.parameters()]
+    return live, (grads, [b.clone() for b in blocks.buffers()])
+
+
+def _checkpointed(block: torch.nn.Module) -> Any:
+    return lambda h: torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+
+
+@pytest.mark.parametrize("policy", helpers.POLICIES.values(), ids=helpers.POLICIES.keys())
+def test_batch_norm_regions_hold_what_torch_checkpoint_holds(policy):
+    """A region with batch norms in training holds no copy of their running statistics (nor
+    of their count of batches): its recompute writes them into scratch memory, as batch
+    norm's output does not read them. So ResNet's BasicBlocks under save_nothing hold what
+    torch.utils.checkpoint holds, and every step trains bitwise as plain (torch's
+    checkpoint updates the statistics twice)."""
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(BasicBlock(), BasicBlock())
+    plain = copy.deepcopy(blocks)
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    wrap = functools.partial(remat.remat, policy=policy)
+    for _ in range(3):  # the first call learns what the forward updates
+        held, got = _held_and_state(blocks, wrap, x)
+        _, expected = _held_and_state(plain, lambda f: f, x)
+        helpers.assert_tree_equal(got, expected)
+        for model in (blocks, plain):
+            model.zero_grad()
+    if policy == "save_nothing":
+        checkpointed = copy.deepcopy(blocks)
+        assert held == _held_and_state(checkpointed, _checkpointed, x)[0]
 
-    def held(wrap) -> int:
-        with remat.memory.track() as mem:
-            h = x
-            for block in blocks:
-                h = wrap(block)(h)
-            live = mem.live
-            h.sum().backward()
-        return live
 
-    def checkpointed(block):
-        return lambda h: torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+class _Watching(torch.nn.Module):
+    """Reads its batch norm's running mean besides batch norm, while ``reads``."""
 
-    held(remat.remat)  # learns what the forward updates
-    statistics = sum(
-        t.untyped_storage().nbytes()
-        for m in blocks.modules()
-        if isinstance(m, torch.nn.BatchNorm2d)
-        for t in (m.running_mean, m.running_var, m.num_batches_tracked)
-    )
-    assert held(remat.remat) == held(checkpointed) + statistics
+    def __init__(self, reads: bool) -> None:
+        super().__init__()
+        self.bn, self.reads = torch.nn.BatchNorm1d(4), reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(x)
+        if self.reads:  # the statistic read as a value, which the backward needs
+            out = out * self.bn.running_mean.exp()
+        return out.sin()
+
+
+@pytest.mark.parametrize("policy", helpers.POLICIES.values(), ids=helpers.POLICIES.keys())
+def test_a_statistic_read_besides_batch_norm_is_kept(policy):
+    """A forward that reads batch norm's running mean as a value: its first (watched) call
+    sees the read, and the recompute reads the kept value: bitwise plain's, no error."""
+    torch.manual_seed(0)
+    model, plain = _Watching(reads=True), _Watching(reads=True)
+    plain.load_state_dict(model.state_dict())
+    f = remat.remat(model, policy=policy)
+    x = torch.randn(6, 4, requires_grad=True)
+    for _ in range(3):
+        got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
+        expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
+        helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_a_statistic_first_read_in_a_later_call_raises_once(policy):
+    """A statistic read besides batch norm only from a later call on (data-dependent): that
+    call's recompute raises, as the scratch holds no value, and later calls keep it."""
+    torch.manual_seed(0)
+    model, plain = _Watching(reads=False), _Watching(reads=False)
+    plain.load_state_dict(model.state_dict())
+    f = remat.remat(model, policy=policy)
+    x = torch.randn(6, 4, requires_grad=True)
+    for _ in range(3):
+        f(x).sum().backward()
+        plain(x).sum().backward()
+    model.reads = plain.reads = True
+    with pytest.raises(remat.RecomputeError, match="`running_mean` of BatchNorm1d"):
+        f(x).sum().backward()
+    plain(x)
+    helpers.assert_tree_equal(list(model.buffers()), list(plain.buffers()))
+    got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
+    expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
+    helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
