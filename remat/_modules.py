@@ -301,19 +301,41 @@ class _Scratch(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.Tensor.add_ and isinstance(args[0], _Scratch) and not kwargs:
             return args[0].plain.add_(*args[1:])  # the count of batches
-        if func is torch.nn.functional.batch_norm:
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: its name is the descriptor's
+            name = getattr(getattr(func, "__self__", None), "__name__", "")
+        if func is torch.nn.functional.batch_norm or name in _METADATA:
             args = tuple(a.plain if isinstance(a, _Scratch) else a for a in args)
             kwargs = {k: v.plain if isinstance(v, _Scratch) else v for k, v in kwargs.items()}
             return func(*args, **kwargs)
-        scratch = next(a for a in (*args, *kwargs.values()) if isinstance(a, _Scratch))
+        scratch = next(_scratches((args, kwargs)))
         slot = scratch.slot
         _learning(slot.module).read.add(slot.name)
         raise RecomputeError(
             f"`remat`: the recompute read `{slot.name}` of {type(slot.module).__name__} "
-            f"through {getattr(func, '__name__', func)}, which remat did not keep: its "
+            f"through `{name or func}`, which remat did not keep: its "
             "earlier forwards only updated it as batch norm's running statistic. Later "
             "calls keep it."
         )
+
+
+# What `_Scratch` lets through besides batch norm: a tensor's metadata, not its values.
+_METADATA = frozenset(
+    {"shape", "dtype", "device", "layout", "ndim", "is_cuda", "requires_grad", "size", "dim"}
+    | {"numel", "stride", "is_contiguous", "nelement", "element_size"}
+)
+
+
+def _scratches(value: Any) -> Iterator[_Scratch]:
+    """The `_Scratch` tensors in ``value``, through its lists, tuples and dicts."""
+    if isinstance(value, _Scratch):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _scratches(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _scratches(item)
 
 
 class ModuleState:

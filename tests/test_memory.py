@@ -126,16 +126,20 @@ def test_batch_norm_regions_hold_what_torch_checkpoint_holds(policy):
 
 
 class _Watching(torch.nn.Module):
-    """Reads its batch norm's running mean besides batch norm, while ``reads``."""
+    """Reads its batch norm's running mean besides batch norm, while ``reads``: as an op's
+    argument, or in a list (``stacked``); its metadata, always."""
 
-    def __init__(self, reads: bool) -> None:
+    def __init__(self, reads: bool, stacked: bool = False) -> None:
         super().__init__()
-        self.bn, self.reads = torch.nn.BatchNorm1d(4), reads
+        self.bn, self.reads, self.stacked = torch.nn.BatchNorm1d(4), reads, stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = self.bn.running_mean
+        if mean.shape != (4,) or mean.device != x.device or mean.dim() != 1:
+            raise ValueError(mean.shape)
         out = self.bn(x)
         if self.reads:  # the statistic read as a value, which the backward needs
-            out = out * self.bn.running_mean.exp()
+            out = out * (torch.stack([mean, mean]).sum(0) if self.stacked else mean.exp())
         return out.sin()
 
 
@@ -154,12 +158,14 @@ def test_a_statistic_read_besides_batch_norm_is_kept(policy):
         helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["argument", "in-a-list"])
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_a_statistic_first_read_in_a_later_call_raises_once(policy):
+def test_a_statistic_first_read_in_a_later_call_raises_once(policy, stacked):
     """A statistic read besides batch norm only from a later call on (data-dependent): that
-    call's recompute raises, as the scratch holds no value, and later calls keep it."""
+    call's recompute raises, as the scratch holds no value, and later calls keep it. Its
+    metadata (shape, device) reads as the statistic's on every call."""
     torch.manual_seed(0)
-    model, plain = _Watching(reads=False), _Watching(reads=False)
+    model, plain = _Watching(False, stacked), _Watching(False, stacked)
     plain.load_state_dict(model.state_dict())
     f = remat.remat(model, policy=policy)
     x = torch.randn(6, 4, requires_grad=True)
