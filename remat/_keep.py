@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -169,7 +170,19 @@ class _Made(NamedTuple):
 class Provenance:
     """Where the tensors an op reads come from, for signatures (one per forward or recompute)."""
 
-    __slots__ = ("aliases", "count", "earlier", "forward", "inputs", "made", "outside", "shared")
+    __slots__ = (
+        "aliases",
+        "count",
+        "earlier",
+        "forward",
+        "held",
+        "inputs",
+        "made",
+        "made_outside",
+        "outside",
+        "shared",
+        "twins",
+    )
 
     def __init__(
         self,
@@ -177,6 +190,7 @@ class Provenance:
         outside: dict[int, tuple[weakref.ref[torch.Tensor], int, int]],
         forward: bool,
         earlier: dict[int, _Made] | None = None,
+        made_outside: list[torch.Tensor] | None = None,
     ) -> None:
         self.made: dict[int, _Made] = {}
         # A recompute's: what the forward made (a tensor it cached, still alive, is that).
@@ -192,6 +206,12 @@ class Provenance:
         self.outside = outside
         self.count = 0  # (a forward's) tensors from outside numbered so far
         self.forward = forward
+        # A forward's: the tensors from outside it read, held until it ends (`transients`).
+        self.held: list[torch.Tensor] = []
+        # A recompute's: the forward's tensors made outside aten, and the numbers of those
+        # its twins stand for (`_twin`).
+        self.made_outside = made_outside or []
+        self.twins: set[int] = set()
         # Made tensors by storage and layout, kept once a tensor subclass that re-wraps
         # outputs is met: its `as_subclass` alias outlives the op output it aliases.
         # key -> (storage ref, descriptor prefix, version offset).
@@ -225,10 +245,51 @@ class Provenance:
                         reads.add(shared[0])
                     return shared
             if not self.forward:
-                return ("unknown", id(t))  # equal to nothing the forward recorded
+                return self._twin(t)
             entry = self.outside[id(t)] = (weakref.ref(t), self.count, t._version)
             self.count += 1
+            self.held.append(t)
         return ("outside", entry[1], t._version - entry[2])
+
+    def transients(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """End of a forward: the tensors from outside it read that nothing but the region's
+        ``outputs`` holds now.
+
+        Made in the region outside aten (``torch.from_numpy`` of a value's ``.numpy()``):
+        kept alive, so that the recompute can check its twins against them (`_twin`).
+        """
+        held, self.held = self.held, []
+        returned = {id(t) for t in outputs}
+        return [
+            held[i]
+            for i in range(len(held))
+            # References: the list's, and the call's argument (fewer where it is borrowed).
+            if (sys.getrefcount(held[i]) <= 2 or id(held[i]) in returned)
+            and not held[i]._is_zerotensor()  # forward-mode AD's: no values to compare
+        ]
+
+    def _twin(self, t: torch.Tensor) -> Any:
+        """A recompute's tensor that no op made and the forward never read: the forward's
+        tensor made outside aten (`made_outside`) that it equals (type, layout, autograd,
+        values), still as the forward first read it, if one is not matched yet; else a
+        descriptor equal to nothing the forward recorded."""
+        for original in self.made_outside:
+            _, number, version = self.outside[id(original)]
+            if (
+                number not in self.twins
+                and original._version == version
+                and type(t) is type(original)
+                and t.device == original.device
+                and t.requires_grad == original.requires_grad
+                and t.layout == original.layout == torch.strided
+                and not t._is_zerotensor()
+                and _geometry(t) == _geometry(original)
+                and torch.equal(t, original)
+            ):
+                self.twins.add(number)
+                self.alias(t, ("outside", number, 0))
+                return ("outside", number, 0)
+        return ("unknown", id(t))
 
     def signature(self, op: Op, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
         """The op and its arguments, tensors replaced by where they came from."""
@@ -396,6 +457,7 @@ class Keeper:
         "keys",
         "layouts",
         "made",
+        "made_outside",
         "offload",
         "ops",
         "outside",
@@ -443,6 +505,7 @@ class Keeper:
         self.chained: dict[int, int] = {}  # op index -> its kept chain's last step
         self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
         self.outside: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self.made_outside: list[torch.Tensor] = []  # once the forward finished
         self.provenance: Provenance | None = Provenance(_plain(inputs), self.outside, forward=True)
         self.made: dict[int, _Made] = {}  # the forward's, once it finished
         self.signatures: dict[Any, list[int]] = {}  # saved value -> handle indices, in order
@@ -745,6 +808,7 @@ class Keeper:
                     self.kept[index] = (alias, _version(alias))
         self._skip(needed)
         self.made = self.provenance.made  # type: ignore[union-attr]
+        self.made_outside = self.provenance.transients(outputs)  # type: ignore[union-attr]
         self.provenance, self.keys, self.finished = None, {}, True
 
     def _choose(self, outputs: list[torch.Tensor]) -> None:
@@ -958,7 +1022,9 @@ class Replayer:
             keeper._diverge()  # its records so far, for the replay to match against
         self.keeper = keeper
         made = keeper.provenance.made if keeper.provenance is not None else keeper.made
-        self.provenance = Provenance(_plain(inputs), keeper.outside, forward=False, earlier=made)
+        self.provenance = Provenance(
+            _plain(inputs), keeper.outside, False, made, keeper.made_outside
+        )
         self.cursor: dict[int, int] = {}  # id of the table's list of indices -> next
         self.handles = {key: list(reversed(hs)) for key, hs in keeper.signatures.items()}
         # id -> (the placeholder, kept alive so its id stays its own; the real device)

@@ -159,6 +159,18 @@ def _numpy(x, w):
     return (y * v).tanh() @ w
 
 
+def _from_numpy(x, w):
+    h = x.sin()
+    back = torch.from_numpy((h.detach().cpu() if h.is_cuda else h.detach()).numpy())
+    return (h * back.to(h.device)).tanh() @ w  # mul saves it
+
+
+def _as_tensor(x, w):
+    h = x.sin()
+    back = torch.as_tensor(h.tolist(), dtype=h.dtype, device=h.device)
+    return (h + back).tanh() @ w  # add saves nothing: the tensor is read by a replayed op
+
+
 def _run_reads(fn, wrap, device):
     x, w = _randn(0, 6, 4, device=device), _randn(1, 4, 4, device=device)
     with torch.no_grad():
@@ -178,6 +190,8 @@ READS = {
     "moe_split": _moe_split,
     "item": _item,
     "numpy": _numpy,
+    "from_numpy": _from_numpy,
+    "as_tensor": _as_tensor,
 }
 
 
@@ -188,6 +202,29 @@ def test_python_reads_of_values_match_plain(device, policy, fn):
     """Values read by Python (tolist, bincount sizes, item, numpy) are recomputed, not skipped."""
     expected = _run_reads(fn, lambda f: f, device)
     assert_tree_equal(_run_reads(fn, lambda f: remat(f, policy=policy), device), expected)
+
+
+@pytest.mark.parametrize("change", ["values", "in_place"])
+@pytest.mark.parametrize("policy", list(POLICIES.values())[1:], ids=list(POLICIES)[1:])
+def test_a_tensor_made_outside_aten_is_checked_against_its_twin(policy, change):
+    """A per-op policy's recompute matches a tensor made outside aten (``from_numpy``) to the
+    forward's by value: one that differs, or that the region modified after reading it (its
+    value then is gone), is never taken for it."""
+    calls = []
+
+    def fn(x, w):
+        calls.append(1)
+        h = x.sin()
+        back = torch.from_numpy(h.detach().numpy() + (len(calls) if change == "values" else 0))
+        y = (h * back).tanh() @ w
+        if change == "in_place":
+            back.add_(1)
+        return y
+
+    x, w = _randn(0, 6, 4), _randn(1, 4, 4)
+    out = remat(fn, policy=policy)(x, w)
+    with pytest.raises(RecomputeError, match="never rebuilt"):
+        out.sum().backward()
 
 
 @each_device
