@@ -35,7 +35,7 @@ from ._errors import (
 from ._keep import Keeper, Replayer, Restart
 from ._modules import ModuleState, WriteGuard
 from ._policies import Policy
-from ._rng import RngCapture, RngLend, threaded
+from ._rng import GeneratorWatch, RngCapture, RngLend, threaded
 
 __all__ = ["Region", "running_region"]
 
@@ -365,7 +365,9 @@ class _Setting:
             if moded:
                 replay = stack.enter_context(self.rng.replay(per_op=self.per_op()))
             else:
-                stack.enter_context(RngLend(self.rng.lendable()))
+                states = self.rng.lendable()
+                stack.enter_context(RngLend(states))
+                stack.enter_context(GeneratorWatch(states))
         if moded:
             # A per-op policy's recompute runs under the mode anyway: always guarded.
             guarded = self.watching or replayer is not None

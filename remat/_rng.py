@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
 
-__all__ = ["RngCapture", "RngLend", "RngReplay", "is_random", "threaded"]
+__all__ = ["GeneratorWatch", "RngCapture", "RngLend", "RngReplay", "is_random", "threaded"]
 
 _local = threading.local()
 # Held while a region's random op draws: regions in other threads wait, not interleave.
@@ -246,16 +246,11 @@ class RngCapture:
         return RngReplay(clones, draws, per_op)
 
 
-class RngLend(TorchFunctionMode):
-    """For one recompute without a dispatch mode: the forward's states, lent to the generators.
-
-    It also watches the torch calls of the recompute (a function mode leaves aten
-    decompositions alone): one with an explicit ``generator=`` the forward did not
-    capture raises, rather than draw other numbers.
-    """
+class RngLend:
+    """For one recompute without a dispatch mode: the forward's states, lent to the generators
+    (the caller's given back when it ends)."""
 
     def __init__(self, states: dict[torch.Generator, torch.Tensor]) -> None:
-        super().__init__()
         self.states = states
         self.caller: list[tuple[torch.Generator, torch.Tensor]] = []
 
@@ -264,13 +259,25 @@ class RngLend(TorchFunctionMode):
             active = _active(generator)
             self.caller.append((active, active.get_state()))
             active.set_state(state)
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
         for generator, state in reversed(self.caller):
             generator.set_state(state)
         self.caller = []
+
+
+class GeneratorWatch(TorchFunctionMode):
+    """For one recompute without a dispatch mode: watches its torch calls (a function mode
+    leaves aten decompositions alone). One with an explicit ``generator=`` the forward did
+    not capture raises, rather than draw other numbers and move that generator on twice.
+
+    It is the price of that check: the recompute's every torch call goes through it.
+    """
+
+    def __init__(self, states: dict[torch.Generator, torch.Tensor]) -> None:
+        super().__init__()
+        self.states = states
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if not kwargs:  # (most calls: checked first, as this runs for every torch call)
