@@ -36,6 +36,7 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+from torch.utils.flop_counter import FlopCounterMode
 
 import remat
 
@@ -288,11 +289,44 @@ def budget_summary(sweep: Sequence[Row], dominance: Sequence[Row]) -> str:
 
 OVERHEAD = GPTConfig(vocab=64, seq=16, width=16, heads=2, blocks=8, dropout=0.1)
 # Each remat policy, and the peer whose overhead it is compared with.
+UNCHECKED = "remat save_nothing without its generator check"
 OVERHEAD_PEERS = {
     "remat save_nothing": "torch.utils.checkpoint",
+    UNCHECKED: "torch.utils.checkpoint",
     "remat save_matmuls": SAC,
     "remat memory_budget(0.5)": SAC,
 }
+
+
+class _Unwatched:
+    """`remat._rng.GeneratorWatch`'s stand-in for `UNCHECKED`: no function mode, no check."""
+
+    def __init__(self, states: Any) -> None:
+        del states
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _generator_check(on: bool, wrap: Checkpoint) -> Checkpoint:
+    """``wrap``, with the recompute's explicit-generator check on or off (set at each forward,
+    for the backward that follows it): what the check costs. Off, a draw from a generator the
+    forward did not see gives other numbers, as torch.utils.checkpoint's does (docs/rng.md)."""
+    watch = remat._rng.GeneratorWatch if on else _Unwatched
+
+    def checkpoint(block: Block) -> Block:
+        region = wrap(block)
+
+        def call(*args: Any) -> Any:
+            remat._engine.GeneratorWatch = watch  # type: ignore[attr-defined, misc]
+            return region(*args)
+
+        return call
+
+    return checkpoint
 
 
 def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> list[Row]:
@@ -301,7 +335,8 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
     overhead, as in an eager GPU step whose CPU issue time is the step time."""
     found = modes()[0]
     chosen = {mode: found[mode] for mode in ("plain", "torch.utils.checkpoint", SAC)}
-    chosen["remat save_nothing"] = found["remat save_nothing"]
+    chosen["remat save_nothing"] = _generator_check(True, found["remat save_nothing"])
+    chosen[UNCHECKED] = _generator_check(False, found["remat save_nothing"])
     chosen["remat save_matmuls"] = found["remat save_matmuls"]
     chosen["remat memory_budget(0.5)"] = remat.remat(policy=remat.policies.memory_budget(0.5))
     return gpt_workload(
@@ -332,6 +367,56 @@ def overhead_summary(rows: Sequence[Row]) -> str:
     return (
         f"Overhead over plain's {plain * 1e3:.2f} ms step, medians of "
         f"{len(by_mode['plain'].times)} interleaved rounds: " + "; ".join(parts) + "."
+    )
+
+
+def _random_as_elementwise(call: remat.policies.OpCall) -> float:
+    """`memory_budget`'s default cost, a random op priced as any elementwise op (as on CUDA)
+    rather than as the CPU's slower draw."""
+    cost = remat._budget.estimated_cost(call)
+    outputs = call.output if isinstance(call.output, (tuple, list)) else (call.output,)
+    device = next((t.device.type for t in outputs if isinstance(t, Tensor)), "cpu")
+    slowdown = remat._budget._RANDOM_SLOWDOWN.get(device, 1.0)
+    return cost / slowdown if remat._rng.is_random(call.op) else cost
+
+
+def recompute_flops(config: GPTConfig, batch: int, device: torch.device) -> str:
+    """Bytes held after the forward and FLOPs in the backward (which run the recomputes),
+    counted by torch's FLOP counter: SAC, and `memory_budget(0.4)` with its default cost and
+    with random ops priced as other elementwise ops (issue 26's "at most 0.8x SAC's bytes for
+    at most 1.05x its FLOPs")."""
+    chosen = {
+        SAC: torch_sac,
+        "memory_budget(0.4)": remat.remat(policy=remat.policies.memory_budget(0.4)),
+        "memory_budget(0.4), random ops as elementwise": remat.remat(
+            policy=remat.policies.memory_budget(0.4, cost=_random_as_elementwise)
+        ),
+    }
+    torch.manual_seed(0)
+    base = GPT(config).to(device)
+    tokens, targets = (t.to(device) for t in make_batches(config, batch, 1)[0])
+    counted = {}
+    for mode, wrap in chosen.items():
+        model = copy.deepcopy(base)
+        model.checkpoint = wrap
+        for _ in range(3):  # a budget plans on its first call; the third is counted
+            torch.manual_seed(1)
+            model.zero_grad(set_to_none=True)
+            with _device_memory(device) as mem:
+                loss = model.loss(tokens, targets)
+                held = mem.live
+                with FlopCounterMode(display=False) as flops:
+                    loss.backward()
+        counted[mode] = (held, flops.get_total_flops(), loss.item())
+    sac = counted.pop(SAC)
+    return (
+        f"Recompute FLOPs, reference GPT: SAC's backward runs {sac[1] / 1e9:.2f} GFLOP; "
+        + "; ".join(
+            f"{mode} holds {held / sac[0]:.2f}x SAC's bytes, its backward {total / 1e9:.2f} "
+            f"GFLOP = {total / sac[1]:.3f}x SAC's{'' if loss == sac[2] else ' (OTHER LOSS)'}"
+            for mode, (held, total, loss) in counted.items()
+        )
+        + "."
     )
 
 
@@ -870,6 +955,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows += placement_workload(2 if args.smoke else 6, width, 64 if args.smoke else 2048, device)
     overhead_rows = overhead_workload(OVERHEAD, 1 if args.smoke else 40, device)
     rows += overhead_rows
+    flops = recompute_flops(reference, sizes["batch"], device)
 
     micro = overhead(3 if args.smoke else 15) if device.type == "cpu" else {}
     rng = (
@@ -893,7 +979,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     tables = format_rows(rows)
     budget = budget_summary(budget_rows, dominance) if dominance[0].times else ""
-    lines = [header, missing or "", tables, budget, overhead_summary(overhead_rows), note]
+    lines = [header, missing or "", tables, budget, overhead_summary(overhead_rows), flops, note]
     if micro:
         lines.append(
             "Tiny region, forward and backward, us per call: "
@@ -917,6 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "per_sample_note": note,
         "budget_summary": budget,
         "overhead_summary": overhead_summary(overhead_rows),
+        "recompute_flops": flops,
         "overhead_us": micro,
         "rng_block_forward_ms": rng,
         "plots": files,

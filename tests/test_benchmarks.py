@@ -49,6 +49,9 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     assert "fails" in written["per_sample_note"]
     assert "non-decreasing in the budget" in written["budget_summary"]
     assert "save_matmuls" in written["overhead_summary"]
+    assert "without its generator check" in written["overhead_summary"]
+    assert "random ops as elementwise holds" in written["recompute_flops"]
+    assert "OTHER LOSS" not in written["recompute_flops"]
     assert any(w.startswith("overhead:") for w in workloads)
     # torch's budget compiles its own graph (not compiled plain's, cached by Dynamo).
     compiled = {r["mode"]: r["held"] for r in written["rows"] if "compiled" in r["workload"]}
