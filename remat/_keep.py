@@ -155,7 +155,10 @@ def _version(out: Any) -> int:
 
 
 # Argument types that stand for themselves in a signature.
-_SELF_DESCRIBING = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout})
+_SELF_DESCRIBING = frozenset(
+    {int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+_PARAMETER = torch.nn.Parameter
 
 
 class _Made(NamedTuple):
@@ -293,7 +296,7 @@ class Provenance:
 
     def signature(self, op: Op, args: Any, kwargs: Any, reads: set[int] | None) -> Any:
         """The op and its arguments, tensors replaced by where they came from."""
-        keys = []
+        keys: list[Any] = []
         made = self.made
         for arg in args:  # `_key` and `describe`, unrolled for the usual arguments (per op)
             kind = type(arg)
@@ -308,6 +311,17 @@ class Provenance:
                     keys.append(self.describe(arg, reads))
             elif kind in _SELF_DESCRIBING:
                 keys.append(arg)
+            elif kind is _PARAMETER:
+                keys.append(self.describe(arg, reads))
+            elif kind is float:
+                keys.append(arg if arg == arg else "nan")
+            elif kind is list:  # sizes, dims: the usual
+                for v in arg:
+                    if type(v) not in _SELF_DESCRIBING:
+                        keys.append(self._key(arg, reads))
+                        break
+                else:
+                    keys.append(tuple(arg))
             else:
                 keys.append(self._key(arg, reads))
         return (op, tuple(keys), self._key(kwargs, reads) if kwargs else ())
