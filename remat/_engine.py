@@ -827,8 +827,15 @@ class _RecomputePack:
         self.stopped = False
         self.check = region.meta if region.check else None  # the forward's `_meta`s
         # Under re-created levels, a value wrapped at one dies with it and then acts
-        # as its contents, as the forward's own (dead) wrapper does.
-        self.keep = _torch_private.detach_outermost if region.levels else torch.Tensor.detach
+        # as its contents, as the forward's own (dead) wrapper does. A per-op policy's
+        # recompute runs under remat's dispatch mode, which lets remat's own op pass.
+        self.keep: Callable[[torch.Tensor], torch.Tensor]
+        if region.levels:
+            self.keep = _torch_private.detach_outermost
+        elif replayer is not None:
+            self.keep = _torch_private.detach_undispatched
+        else:
+            self.keep = torch.Tensor.detach
 
     def __call__(self, t: torch.Tensor) -> Any:
         if self.stopped:  # ``fn`` caught `_Stop` and went on
