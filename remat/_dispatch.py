@@ -107,7 +107,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         func = op.func
         if func.namespace == "fsdp":
             return
-        tensors = written(func, args, kwargs)
+        tensors = written(op, args, kwargs)
         if self.watch is not None:
             self.watch.before_write(tensors)
         if self.guard is not None:

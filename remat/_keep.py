@@ -93,13 +93,19 @@ class Op:
     Signatures and tables hold these rather than the overloads, which hash in Python.
     """
 
-    __slots__ = ("func", "kind", "mutable", "random", "transparent", "view", "writes")
+    __slots__ = ("func", "kind", "mutable", "random", "transparent", "view", "writes", "written")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held: the cache's key is its id
         self.random = is_random(func)
         self.mutable = func._schema.is_mutable
         self.writes = self.mutable or func in _UNDECLARED_WRITES  # see `written`
+        # The arguments its schema says it writes: (position, name).
+        self.written = tuple(
+            (i, argument.name)
+            for i, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        )
         self.view = func.is_view
         # Its output is its input's value: provenance passes through it (autograd adds
         # and drops detaches between one run and the next).
@@ -665,7 +671,7 @@ class Keeper:
         # Versions go up once an in-place op returns: a step's own count from then.
         if target._version - made.made_at != (made.op in self.steps):
             return False
-        if any(t is not target for t in written(op.func, args, {})):
+        if any(t is not target for t in written(op, args, {})):
             return False
         self.steps[self.count - 1] = made.op
         return True
@@ -1116,7 +1122,7 @@ class Replayer:
             if index is None:
                 if not op.mutable:
                     self._made_fresh(op, args, out)
-                elif not self._harmless(op.func, args, kwargs):
+                elif not self._harmless(op, args, kwargs):
                     self.diverged = True  # an unknown write: aliases may now hold anything
         self.provenance.record(op, args, out, -1 if index is None else index)
         return out
@@ -1146,7 +1152,7 @@ class Replayer:
                 storage = t.untyped_storage()
                 self.fresh[id(storage)] = weakref.ref(storage)
 
-    def _harmless(self, func: Any, args: Any, kwargs: Any) -> bool:
+    def _harmless(self, op: Op, args: Any, kwargs: Any) -> bool:
         """Whether an unmatched write leaves what matched ops read as the forward had it.
 
         It does if it writes only memory that unmatched ops of this recompute made, or
@@ -1156,9 +1162,9 @@ class Replayer:
         FSDP2 gathers where its state says (in the forward, a prefetch, or the
         recompute), so one run may gather inside the region and the other not.
         """
-        if func.namespace == "fsdp":
+        if op.func.namespace == "fsdp":
             return True
-        for t in written(func, args, kwargs):
+        for t in written(op, args, kwargs):
             if t.layout != torch.strided:
                 return False
             storage = t.untyped_storage()
@@ -1289,14 +1295,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 _UNDECLARED_WRITES = _modules.BATCH_NORM_OPS
 
 
-def written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+def written(op: Op, args: Any, kwargs: Any) -> list[torch.Tensor]:
     """The tensors an op writes in place, by its schema (and `_UNDECLARED_WRITES`)."""
-    if func in _UNDECLARED_WRITES:
+    if op.func in _UNDECLARED_WRITES:
         return _tensors(list(args[3:5])) if args[5] else []
     written: list[torch.Tensor] = []
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            written += _tensors(args[i] if i < len(args) else kwargs.get(argument.name))
+    for i, name in op.written:
+        written += _tensors(args[i] if i < len(args) else kwargs.get(name))
     return written
 
 

@@ -156,9 +156,21 @@ def _initial_state(generator: torch.Generator) -> torch.Tensor:
     return fresh.get_state()
 
 
+# Random ops by id: (the op, held so that its id stays its own; whether it takes a generator).
+_TAKES_GENERATOR: dict[int, tuple[Any, bool]] = {}
+
+
+def _takes_generator(func: Any) -> bool:
+    known = _TAKES_GENERATOR.get(id(func))
+    if known is None:  # reading the schema costs a microsecond: once per op
+        takes = any(arg.name == "generator" for arg in func._schema.arguments)
+        known = _TAKES_GENERATOR[id(func)] = (func, takes)
+    return known[1]
+
+
 def _draw(func: Any, args: Any, kwargs: Any, generator: torch.Generator, private: Any) -> Any:
     """Run random op ``func`` (whose generator is ``generator``) on ``private`` instead."""
-    if any(arg.name == "generator" for arg in func._schema.arguments):
+    if _takes_generator(func):
         return func(*args, **{**kwargs, "generator": private})
     # No `generator=` in the schema (CUDA's fused native_dropout): lend the private
     # state to the default generator for this one op.
