@@ -588,7 +588,7 @@ class _Pack:
             return _Kept(t, self.unpack)
         handle = _Handle(len(region.handles), self.unpack)
         if region.keeper is not None:
-            region.keeper.note_saved(t, handle.index)
+            region.keeper.note_saved(t)
         region.kinds.append(1)
         region.handles.append(weakref.ref(handle))
         if region.check:

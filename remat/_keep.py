@@ -489,7 +489,6 @@ class Keeper:
         "rebuilt_before",
         "roots",
         "saved_bytes",
-        "signatures",
         "sigs",
         "skip",
         "skips",
@@ -528,8 +527,7 @@ class Keeper:
         self.made_outside: list[torch.Tensor] = []  # once the forward finished
         self.provenance: Provenance | None = Provenance(_plain(inputs), self.outside, forward=True)
         self.made: dict[int, _Made] = {}  # the forward's, once it finished
-        self.signatures: dict[Any, list[int]] = {}  # saved value -> handle indices, in order
-        self.described: list[Any] = []  # handle index -> saved value
+        self.described: list[Any] = []  # handle index -> the saved value's signature
         self.kept: dict[int, tuple[Any, int]] = {}  # op index -> (output, version)
         self.keys: dict[tuple[Any, ...], int] = {}  # storage key of a kept output -> index
         self.wanted: set[int] = set()  # ops whose outputs autograd saved for a rebuild
@@ -748,8 +746,9 @@ class Keeper:
 
             self.sources[index] = source_line()
 
-    def note_saved(self, t: torch.Tensor, handle: int) -> None:
-        """Autograd saves ``t`` for a handle: the recompute runs up to here and rebuilds it."""
+    def note_saved(self, t: torch.Tensor) -> None:
+        """Autograd saves ``t`` for the next handle: the recompute runs up to here and
+        rebuilds it."""
         assert self.provenance is not None
         self.rebuilt_before = self.count
         plain = _torch_private.unwrap_all(t)
@@ -762,8 +761,8 @@ class Keeper:
             if self.costs is not None:
                 self._note_bytes(plain, index)
         # The logical shape too: under vmap, two saved values may share their batched tensor.
-        signature = _hashable((descriptor, *_saved_as(t)))
-        self.signatures.setdefault(signature, []).append(handle)
+        # One flat tuple (the descriptor, then `_saved_as`'s two): it lives until the backward.
+        signature = _hashable((*descriptor, *_saved_as(t)))
         self.described.append(signature)
 
     def _note_bytes(self, t: torch.Tensor, index: int) -> None:
@@ -776,7 +775,7 @@ class Keeper:
         """A recompute inside the forward gave ``fn`` the value of ``handle``."""
         key = self.described[handle]
         if self.provenance is not None and isinstance(key, tuple):
-            self.provenance.alias(_torch_private.unwrap_all(value), key[0])
+            self.provenance.alias(_torch_private.unwrap_all(value), key[:-2])
 
     def outside_tensors(self) -> list[torch.Tensor]:
         """The tensors from outside the region that the forward read, still alive."""
@@ -827,7 +826,11 @@ class Keeper:
                         alias = _move(alias, self.offload[index][1])
                     self.kept[index] = (alias, _version(alias))
         self._skip(needed)
-        self.made = self.provenance.made  # type: ignore[union-attr]
+        # The outputs still alive (the region's, values it cached) for the recompute to
+        # find (`Provenance.earlier`); not the dead ones' records, which would live as long
+        # as the graph, for the garbage collector to go through.
+        made = self.provenance.made  # type: ignore[union-attr]
+        self.made = {key: entry for key, entry in made.items() if entry[0]() is not None}
         self.made_outside = self.provenance.transients(outputs)  # type: ignore[union-attr]
         self.provenance, self.keys, self.finished = None, {}, True
 
@@ -1046,7 +1049,10 @@ class Replayer:
             _plain(inputs), keeper.outside, False, made, keeper.made_outside
         )
         self.cursor: dict[int, int] = {}  # id of the table's list of indices -> next
-        self.handles = {key: list(reversed(hs)) for key, hs in keeper.signatures.items()}
+        # saved value's signature -> its handles, last first
+        self.handles: dict[Any, list[int]] = {}
+        for handle in reversed(range(len(keeper.described))):
+            self.handles.setdefault(keeper.described[handle], []).append(handle)
         # id -> (the placeholder, kept alive so its id stays its own; the real device)
         self.placeholders: dict[int, tuple[torch.Tensor, torch.device]] = {}
         self.diverged = self.restart = False
@@ -1197,7 +1203,7 @@ class Replayer:
         plain = _torch_private.unwrap_all(t)
         if id(plain) in self.placeholders:
             return None
-        signature = _hashable((self.provenance.describe(plain), *_saved_as(t)))
+        signature = _hashable((*self.provenance.describe(plain), *_saved_as(t)))
         waiting = self.handles.get(signature)
         if not waiting:
             return None
@@ -1207,7 +1213,7 @@ class Replayer:
     def handed_back(self, value: torch.Tensor) -> None:
         """The pack hook gives autograd ``value`` for the value just matched."""
         if isinstance(self.last, tuple):
-            self.provenance.alias(_torch_private.unwrap_all(value), self.last[0])
+            self.provenance.alias(_torch_private.unwrap_all(value), self.last[:-2])
 
     def stand_in(self, copy: torch.Tensor, original: torch.Tensor, version: int) -> None:
         """``copy`` is what the forward read as ``original`` at ``version``.

@@ -99,7 +99,11 @@ def _learning(owner: Any) -> _Learned:
     entry = _LEARNED.get(key)
     if entry is None or entry[0]() is not owner:
         entry = _LEARNED[key] = (weakref.ref(owner, lambda _: _LEARNED.pop(key, None)), {})
-    return entry[1].setdefault(getattr(owner, "training", None), _Learned())
+    records, training = entry[1], getattr(owner, "training", None)
+    record = records.get(training)
+    if record is None:
+        record = records[training] = _Learned()
+    return record
 
 
 def _fsdp_types() -> tuple[type | None, type | None]:
