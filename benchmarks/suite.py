@@ -51,10 +51,10 @@ from ._models import (
     no_checkpoint,
     torch_checkpoint,
 )
+from ._replay import SAC_OPS, modes_only, thin_replay
 from .demo import _bytes, _table
 
 aten = torch.ops.aten
-SAC_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 
 
 def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -290,11 +290,16 @@ def budget_summary(sweep: Sequence[Row], dominance: Sequence[Row]) -> str:
 OVERHEAD = GPTConfig(vocab=64, seq=16, width=16, heads=2, blocks=8, dropout=0.1)
 # Each remat policy, and the peer whose overhead it is compared with.
 UNCHECKED = "remat save_nothing without its generator check"
+# Reference points, not remat modes (`_replay`): dispatch modes alone, and a thin replay.
+MODES_ONLY = "torch.utils.checkpoint under pass-through dispatch modes"
+THIN_REPLAY = "torch.utils.checkpoint with a thin verified replay of the matmuls"
 OVERHEAD_PEERS = {
     "remat save_nothing": "torch.utils.checkpoint",
     UNCHECKED: "torch.utils.checkpoint",
     "remat save_matmuls": SAC,
     "remat memory_budget(0.5)": SAC,
+    MODES_ONLY: SAC,
+    THIN_REPLAY: SAC,
 }
 
 
@@ -339,6 +344,7 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
     chosen[UNCHECKED] = _generator_check(False, found["remat save_nothing"])
     chosen["remat save_matmuls"] = found["remat save_matmuls"]
     chosen["remat memory_budget(0.5)"] = remat.remat(policy=remat.policies.memory_budget(0.5))
+    chosen[MODES_ONLY], chosen[THIN_REPLAY] = modes_only, thin_replay
     return gpt_workload(
         f"overhead: width {config.width}, {config.blocks} blocks, 2 x {config.seq}",
         config,
@@ -352,7 +358,8 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
 
 def overhead_summary(rows: Sequence[Row]) -> str:
     """Each remat policy's overhead over plain (median step time minus plain's) relative to
-    its peer's: torch.utils.checkpoint for save_nothing, SAC for the per-op policies."""
+    its peer's: torch.utils.checkpoint for save_nothing, SAC for the per-op policies and for
+    the two reference points (`_replay`)."""
     by_mode = {r.mode: r for r in rows}
     plain = by_mode["plain"].time
     if plain is None:

@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from tests.helpers import import_benchmark
 
 suite = import_benchmark("suite")
@@ -56,3 +59,24 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     # torch's budget compiles its own graph (not compiled plain's, cached by Dynamo).
     compiled = {r["mode"]: r["held"] for r in written["rows"] if "compiled" in r["workload"]}
     assert compiled["activation_memory_budget=0.5"] < compiled["activation_memory_budget=1"]
+
+
+def test_the_thin_replay_reference_keeps_the_matmuls_and_checks_each_op():
+    """The overhead workload's thin verified replay computes plain's gradient, and raises at
+    the first op its recompute runs differently (it is a check, not only a cost)."""
+    replay = import_benchmark("_replay")
+    scale = [2.0]
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def block(x):
+        return torch.tanh((x @ w).sin() * scale[0]) @ w
+
+    x = torch.randn(3, 4, requires_grad=True)
+    (expected,) = torch.autograd.grad(block(x).square().sum(), w)
+    (got,) = torch.autograd.grad(replay.thin_replay(block)(x).square().sum(), w)
+    assert torch.equal(got, expected)
+
+    out = replay.thin_replay(block)(x)
+    scale[0] = 3.0  # the recompute's multiplication reads another constant: not the forward's
+    with pytest.raises(RuntimeError, match="is not the forward's"):
+        out.sum().backward()
