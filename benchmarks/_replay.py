@@ -10,8 +10,8 @@ checkpointing does:
   tensor arguments by the op that made them (and their versions); the recompute checks
   each op against that record, raises at the first that differs, and hands back the kept
   outputs instead of running those ops. It checks less than remat does (no keyword
-  arguments, constants, random-number states, module state or saved values), so it is a
-  lower bound on what verified replay costs, not a replacement for it.
+  arguments, random-number states, module state or saved values), so it is a lower bound
+  on what verified replay costs, not a replacement for it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from ._models import Block
 
 aten = torch.ops.aten
 SAC_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-_ATOMS = (int, bool, float, str, type(None))
 
 
 class _PassThrough(TorchDispatchMode):
@@ -36,14 +35,13 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _pass_through_contexts() -> tuple[_PassThrough, _PassThrough]:
+def _idle_modes() -> tuple[_PassThrough, _PassThrough]:
     return _PassThrough(), _PassThrough()
 
 
 def modes_only(block: Block) -> Block:
     """torch's checkpoint with pass-through dispatch modes in the forward and the recompute."""
-    context = _pass_through_contexts
-    return functools.partial(checkpoint, block, use_reentrant=False, context_fn=context)
+    return functools.partial(checkpoint, block, use_reentrant=False, context_fn=_idle_modes)
 
 
 class _Record:
