@@ -440,6 +440,7 @@ class Program:
         "decisions",
         "deps",
         "layouts",
+        "needs",
         "ops",
         "plan",
         "roots",
@@ -455,6 +456,9 @@ class Program:
         self.table = keeper.table
         self.decisions = dict(keeper.decisions)
         self.plan = keeper.plan  # `memory_budget`'s
+        # What its forwards' recomputes run (`Keeper._needed`), by the values they rebuild
+        # and keep: the same for each forward that saves and keeps the same ones.
+        self.needs: dict[Any, tuple[frozenset[int], dict[int, Any]]] = {}
 
 
 class Keeper:
@@ -751,19 +755,23 @@ class Keeper:
         rebuilds it."""
         assert self.provenance is not None
         self.rebuilt_before = self.count
-        plain = _torch_private.unwrap_all(t)
-        descriptor = self.provenance.describe(plain)  # the op that made it, or what it aliases
-        index = descriptor[0] if isinstance(descriptor[0], int) else None
-        if index is None and self.keys:
-            index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
+        made = self.provenance.made.get(id(t))
+        index: int | None
+        if made is not None and made[0]() is t:  # an op's output (so no torch.func wrapper)
+            index = made[1]
+            # One flat tuple, `_saved_value`'s: it lives until the backward.
+            self.described.append((index, made[2], t._version - made[3], t.shape, ()))
+        else:
+            plain = _torch_private.unwrap_all(t)
+            descriptor = self.provenance.describe(plain)  # the op that made it, or its alias
+            index = descriptor[0] if isinstance(descriptor[0], int) else None
+            if index is None and self.keys:
+                index = self.keys.get(storage_key(plain))  # type: ignore[arg-type]
+            self.described.append(_saved_value(descriptor, t))
         if index is not None:
             self.wanted.add(index)
             if self.costs is not None:
-                self._note_bytes(plain, index)
-        # The logical shape too: under vmap, two saved values may share their batched tensor.
-        # One flat tuple (the descriptor, then `_saved_as`'s two): it lives until the backward.
-        signature = _hashable((*descriptor, *_saved_as(t)))
-        self.described.append(signature)
+                self._note_bytes(_torch_private.unwrap_all(t), index)
 
     def _note_bytes(self, t: torch.Tensor, index: int) -> None:
         """While `memory_budget` plans: the bytes of a saved value's storage, if made here."""
@@ -812,11 +820,11 @@ class Keeper:
         ):
             if len(self.programs) >= _MAX_PROGRAMS:  # an owner run on ever new layouts
                 self.programs.clear()
-            self.programs[self.key] = Program(self)
+            self.program = self.programs[self.key] = Program(self)
         self.chained = {
             member: end for end in self.kept if end in self.chains for member in self.chains[end]
         }
-        needed = self._needed()
+        needed, skippable = self._needed()
         with _torch_private.functorch_cleared():
             for index in list(self.kept):
                 out, version = self.kept.pop(index)
@@ -825,7 +833,8 @@ class Keeper:
                     if index in self.offload:
                         alias = _move(alias, self.offload[index][1])
                     self.kept[index] = (alias, _version(alias))
-        self._skip(needed)
+        if self.skips:
+            self.skip = skippable
         # The outputs still alive (the region's, values it cached) for the recompute to
         # find (`Provenance.earlier`); not the dead ones' records, which would live as long
         # as the graph, for the garbage collector to go through.
@@ -922,16 +931,27 @@ class Keeper:
         if self.finished and self.kept:
             self.kept.clear()
             self.chained = {}
-            self._skip(self._needed())
+            if self.skips:
+                self.skip = self._needed()[1]
 
     def stop_skipping(self) -> None:
         """A skipped value was read: from now on the recompute runs every op it reaches."""
         self.skips = False
         self.skip = {}
 
-    def _needed(self) -> set[int]:
-        """Ops the recompute must run: backwards from rebuilt values, stopping at kept ones."""
+    def _needed(self) -> tuple[frozenset[int], dict[int, Any]]:
+        """Ops the recompute must run: backwards from rebuilt values, stopping at kept ones;
+        and those it may skip, with their layouts.
+
+        Remembered by the program, for its forwards that rebuild and keep the same values.
+        """
         limit = self.rebuilt_before
+        needs = self.program.needs if self.program is not None else None
+        if needs is not None:
+            key = (limit, frozenset(self.wanted), frozenset(self.kept), frozenset(self.chained))
+            found = needs.get(key)
+            if found is not None:
+                return found
         needed: set[int] = set()
         stack = [i for i in self.wanted if i < limit] + [r for r in self.roots if r < limit]
         while stack:
@@ -941,12 +961,12 @@ class Keeper:
             needed.add(index)
             if index not in self.kept and index not in self.chained:
                 stack.extend(self.deps[index])
-        return needed
-
-    def _skip(self, needed: set[int]) -> None:
-        if self.skips:
-            limit = self.rebuilt_before
-            self.skip = {i: self.layouts[i] for i in range(limit) if i not in needed}
+        found = frozenset(needed), {i: self.layouts[i] for i in range(limit) if i not in needed}
+        if needs is not None:
+            if len(needs) >= _MAX_PROGRAMS:
+                needs.clear()
+            needs[key] = found
+        return found
 
     def replayable(self, index: int) -> bool:
         """Whether a kept value still holds what its op computed.
@@ -1008,7 +1028,11 @@ def _saved_as(t: torch.Tensor) -> tuple[Any, ...]:
     return t.shape, tuple((bdim, requires_grad) for _, bdim, requires_grad in chain)
 
 
-def _hashable(signature: Any) -> Any:
+def _saved_value(descriptor: Any, t: torch.Tensor) -> Any:
+    """A saved value's signature: its descriptor, then its logical shape and torch.func
+    wrappers (under vmap, two saved values may share their batched tensor). One flat tuple;
+    for a value that an op made, ``(op, position, version, shape, ())``."""
+    signature = (*descriptor, *_saved_as(t))
     try:
         hash(signature)
     except TypeError:
@@ -1200,10 +1224,16 @@ class Replayer:
 
     def handle(self, t: torch.Tensor) -> int | None:
         """The forward's handle that a value autograd saves in the recompute rebuilds, if any."""
-        plain = _torch_private.unwrap_all(t)
-        if id(plain) in self.placeholders:
-            return None
-        signature = _hashable((*self.provenance.describe(plain), *_saved_as(t)))
+        made = self.provenance.made.get(id(t))
+        if made is not None and made[0]() is t:  # an op's output (`Keeper.note_saved`)
+            if self.placeholders and id(t) in self.placeholders:
+                return None
+            signature: Any = (made[1], made[2], t._version - made[3], t.shape, ())
+        else:
+            plain = _torch_private.unwrap_all(t)
+            if id(plain) in self.placeholders:
+                return None
+            signature = _saved_value(self.provenance.describe(plain), t)
         waiting = self.handles.get(signature)
         if not waiting:
             return None
@@ -1211,9 +1241,16 @@ class Replayer:
         return waiting.pop()
 
     def handed_back(self, value: torch.Tensor) -> None:
-        """The pack hook gives autograd ``value`` for the value just matched."""
-        if isinstance(self.last, tuple):
-            self.provenance.alias(_torch_private.unwrap_all(value), self.last[:-2])
+        """The pack hook gives autograd ``value`` for the value just matched: it stands for
+        what that value's descriptor describes."""
+        last = self.last
+        if isinstance(last, tuple):  # (`Provenance.alias`, unrolled: once per saved value)
+            value = _torch_private.unwrap_all(value)
+            self.provenance.aliases[id(value)] = (
+                weakref.ref(value),
+                last[:-3],
+                last[-3] - value._version,
+            )
 
     def stand_in(self, copy: torch.Tensor, original: torch.Tensor, version: int) -> None:
         """``copy`` is what the forward read as ``original`` at ``version``.

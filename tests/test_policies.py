@@ -876,3 +876,39 @@ def test_later_forwards_follow_the_program_and_leave_it_where_it_differs(monkeyp
     assert followed == followed_deep == 0
     assert left == deep - 2  # from the op after the shared start (`mm`, `tanh`)
     assert back == first - 2
+
+
+class _SinMatmul(torch.nn.Module):
+    """``tanh(sin(x) @ w)`` with a frozen ``w``: autograd saves tanh's output, not the
+    product's inputs, so the recompute needs ``sin`` only where it runs ``mm`` again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x.sin() @ self.w)
+
+
+def test_a_program_remembers_what_each_recompute_runs_by_the_values_it_keeps():
+    """What a recompute must run is remembered per program, by the values rebuilt and kept:
+    a second backward through the same graph (the kept product let go) runs ``sin`` and
+    ``mm`` again, where the first backward replayed the product and skipped ``sin``."""
+    from remat import _modules
+
+    torch.manual_seed(0)
+    model = _SinMatmul()
+    f = remat(model, policy="save_matmuls")
+    x = torch.randn(6, 6, requires_grad=True)
+    expected = torch.autograd.grad(model(x).sum(), x)
+    for _ in range(2):  # the second call follows the program of the first
+        out = f(x).sum()
+        assert_tree_equal(torch.autograd.grad(out, x, retain_graph=True), expected)
+        assert_tree_equal(torch.autograd.grad(out, x), expected)
+    (program,) = _modules.programs(model).values()
+    ops = [str(op.overloadpacket) for op in program.ops]
+    sin, mm = ops.index("aten.sin"), ops.index("aten.mm")
+    runs = {bool(kept): needed for (_, _, kept, _), (needed, _) in program.needs.items()}
+    assert mm in runs[True]
+    assert sin not in runs[True]
+    assert {sin, mm} <= runs[False]
