@@ -353,13 +353,14 @@ class _Setting:
                 if twin is not original:
                     replayer.stand_in(twin, original, original._version)
         pack = make_pack(replayer, replant is None, trace)
-        running = _Running(None, pack, _identity, under_transforms=False)
+        stack.callback(pack.finish)  # once the dispatch mode below has exited
+        running = _Running(None, pack, pack.unpack, under_transforms=False)
         stack.enter_context(_torch_private.region_running(running))
         stack.enter_context(_autocast(self.autocast))
         stack.enter_context(_torch_private.subclass_functions(self.functions))
         if self.levels:
             stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, pack.unpack))
         replay = None
         if self.rng is not None:
             if moded:
@@ -791,8 +792,9 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
             raise
         if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
             raise Restart
-        if pack.stopped:
-            return pack.values
+        stopped = pack.stopped
+    if stopped:
+        return pack.values  # (detached as the recompute ended: `_RecomputePack.finish`)
     missing = min(needed - pack.values.keys())
     raise RecomputeError(
         f"`remat`: the recompute rebuilt {len(pack.values)} of the {len(needed)} values "
@@ -821,21 +823,20 @@ class _RecomputePack:
         self.region, self.trace, self.replayer = region, trace, replayer
         self.needed, self.remaining = needed, len(needed)
         self.producers = producers and replayer is None
-        self.values: dict[int, torch.Tensor] = {}
+        self.values: dict[int, Any] = {}
         self.kinds = iter(region.kinds)
         self.count = 0
         self.stopped = False
         self.check = region.meta if region.check else None  # the forward's `_meta`s
         # Under re-created levels, a value wrapped at one dies with it and then acts
         # as its contents, as the forward's own (dead) wrapper does. A per-op policy's
-        # recompute runs under remat's dispatch mode, which lets remat's own op pass.
-        self.keep: Callable[[torch.Tensor], torch.Tensor]
-        if region.levels:
-            self.keep = _torch_private.detach_outermost
-        elif replayer is not None:
-            self.keep = _torch_private.detach_undispatched
-        else:
-            self.keep = torch.Tensor.detach
+        # recompute runs under remat's dispatch mode: its values wait (`_Matched`).
+        self.keep: Callable[[torch.Tensor], torch.Tensor] = (
+            _torch_private.detach_outermost if region.levels else torch.Tensor.detach
+        )
+        self.matched: list[_Matched] | None = (
+            [] if replayer is not None and not region.levels else None
+        )
 
     def __call__(self, t: torch.Tensor) -> Any:
         if self.stopped:  # ``fn`` caught `_Stop` and went on
@@ -860,9 +861,15 @@ class _RecomputePack:
                     or (None if node is None else type(node)) is not forward[3]
                 ):
                     self._compare(index, t)  # raises, unless the producers only look different
-            value = self.keep(t)
-            if self.replayer is not None:
-                self.replayer.handed_back(value)
+            value: Any
+            if self.matched is not None:
+                assert self.replayer is not None
+                value = _Matched(t, self.replayer)
+                self.matched.append(value)
+            else:
+                value = self.keep(t)
+                if self.replayer is not None:
+                    self.replayer.handed_back(value)
             if index in self.needed and index not in self.values:
                 self.values[index] = value
                 self.remaining -= 1
@@ -870,6 +877,25 @@ class _RecomputePack:
             self.stopped = True
             raise _Stop
         return value
+
+    def unpack(self, packed: Any) -> Any:
+        """The recompute's unpack hook (``fn`` may run a backward inside)."""
+        return packed.get() if type(packed) is _Matched else packed
+
+    def finish(self) -> None:
+        """End of the recompute, its dispatch mode exited: each waiting value detached, and
+        the recompute's graph let go (a value it saved held it)."""
+        if not self.matched:
+            return
+        with QUIET:  # remat's own ops; a plain tensor's pass below every dispatch mode
+            with torch._C._DisableTorchDispatch():
+                for matched in self.matched:
+                    if type(matched.tensor) is torch.Tensor:
+                        matched.finish()
+            for matched in self.matched:
+                matched.finish()  # the rest: a subclass's own dispatch runs
+        self.values = {i: v.get() for i, v in self.values.items()}
+        self.matched = None
 
     def _compare(self, i: int, t: torch.Tensor) -> None:
         """Raise if the recompute's value #i does not look like the forward's."""
@@ -897,6 +923,38 @@ class _RecomputePack:
         if forward is None or self.trace is None:
             return ""
         return "\nOp sequences (forward | recompute):\n" + diff_traces(forward, self.trace)
+
+
+class _Matched:
+    """A value a per-op policy's recompute saved and matched to the forward's, as the
+    recompute's autograd holds it.
+
+    Detaching it inside the recompute's dispatch mode costs a guard per value; so it waits,
+    and is detached when the recompute ends (`_RecomputePack.finish`), or when the
+    recompute itself unpacks it: it then stands for the value it rebuilds (`Replayer`),
+    for the ops that read it.
+    """
+
+    __slots__ = ("replayer", "signature", "tensor", "value")
+
+    def __init__(self, t: torch.Tensor, replayer: Replayer) -> None:
+        self.tensor: torch.Tensor | None = t
+        self.replayer, self.signature = replayer, replayer.last
+        self.value: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            assert self.tensor is not None
+            with QUIET:
+                self.value = self.tensor.detach()
+            self.replayer.handed_back(self.value, self.signature)
+        return self.value
+
+    def finish(self) -> None:
+        if self.value is None:
+            assert self.tensor is not None
+            self.value = self.tensor.detach()
+        self.tensor = None
 
 
 def _identity(x: Any) -> Any:

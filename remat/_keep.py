@@ -1240,10 +1240,10 @@ class Replayer:
         self.last = signature
         return waiting.pop()
 
-    def handed_back(self, value: torch.Tensor) -> None:
-        """The pack hook gives autograd ``value`` for the value just matched: it stands for
-        what that value's descriptor describes."""
-        last = self.last
+    def handed_back(self, value: torch.Tensor, signature: Any = None) -> None:
+        """The pack hook gives autograd ``value`` for a saved value it matched (by default,
+        the last): it stands for what that value's descriptor describes."""
+        last = self.last if signature is None else signature
         if isinstance(last, tuple):  # (`Provenance.alias`, unrolled: once per saved value)
             value = _torch_private.unwrap_all(value)
             self.provenance.aliases[id(value)] = (

@@ -47,7 +47,6 @@ __all__ = [
     "tangents",
     "dead_twin",
     "detach_outermost",
-    "detach_undispatched",
     "in_grad_transform_backward",
     "top_grad_level",
     "add_batch_dim",
@@ -519,15 +518,6 @@ def requiring_grad(t: torch.Tensor) -> torch.Tensor:
         return t.detach().requires_grad_()
     level = _F.maybe_get_level(t)
     return wrap_for_grad(_F._unwrap_for_grad(t, level), level, requires_grad=True)
-
-
-def detach_undispatched(t: torch.Tensor) -> torch.Tensor:
-    """``t.detach()``, below the dispatch modes for a plain tensor (a subclass's own dispatch
-    still runs): cheaper than the Python call of remat's mode, which would let it pass."""
-    if type(t) is torch.Tensor:
-        with torch._C._DisableTorchDispatch():
-            return t.detach()
-    return t.detach()
 
 
 def detach_outermost(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.utils.flop_counter
 from torch.func import grad, jvp, vmap
-from torch.testing._internal.two_tensor import TwoTensor
 
 from remat import _torch_private as tp
 
@@ -484,27 +483,6 @@ def test_detach_outermost_keeps_outer_levels():
     detached = tp.detach_outermost(plain * 2)
     assert not detached.requires_grad
     assert detached.grad_fn is None
-
-
-def test_detach_undispatched_passes_no_dispatch_mode_but_a_subclass():
-    """A plain tensor's detach runs below the dispatch modes; a subclass still dispatches."""
-    seen = []
-
-    class Probe(tp.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    x = torch.ones(2, requires_grad=True) * 2
-    with Probe():
-        detached = tp.detach_undispatched(x)
-        assert seen == []
-        assert not detached.requires_grad
-        assert detached.grad_fn is None
-        assert detached._version == x._version
-        assert detached.data_ptr() == x.data_ptr()
-        tp.detach_undispatched(TwoTensor(x, x))
-    assert seen  # the subclass's own ops reach the mode
 
 
 def test_unwrap_all_reaches_the_plain_tensor():
