@@ -353,7 +353,8 @@ class _Setting:
                 if twin is not original:
                     replayer.stand_in(twin, original, original._version)
         pack = make_pack(replayer, replant is None, trace)
-        stack.callback(pack.finish)  # once the dispatch mode below has exited
+        if replayer is not None:
+            stack.callback(pack.finish)  # once the dispatch mode below has exited
         running = _Running(None, pack, pack.unpack, under_transforms=False)
         stack.enter_context(_torch_private.region_running(running))
         stack.enter_context(_autocast(self.autocast))
