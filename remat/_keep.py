@@ -58,11 +58,13 @@ def _map(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 def storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     """Which memory ``t`` shows (equal keys: equal views of the same data), if it has any.
 
-    Forward-mode AD makes zero tangents with no storage at all.
+    Forward-mode AD makes zero tangents with no storage at all, and a wrapper subclass
+    (a ``__torch_dispatch__`` one: DTensor, TwoTensor) keeps its data in tensors it holds.
     """
-    if t._is_zerotensor():
+    memory = None if t._is_zerotensor() else _memory(t)
+    if memory is None:
         return None
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    return (memory, t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 aten = torch.ops.aten

@@ -25,6 +25,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat import RecomputeError, policies, remat
+from tests.helpers import POLICIES as EVERY_POLICY
 from tests.helpers import assert_tree_equal, each_device
 
 aten = torch.ops.aten
@@ -699,6 +700,32 @@ def test_trivial_tensor_subclass_input(device, policy, block, shape):
         out = wrap(block)(x.as_subclass(_Sub), w)
         out.sin().sum().backward()
         return out.as_subclass(torch.Tensor), _grads([x, w])
+
+    assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
+
+
+def _two_tensor_block(x, w):
+    h = F.dropout((x @ w).tanh(), 0.5)
+    return (h @ w.t()).reshape(-1).view(x.shape[0], -1).sin() * x
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+@each_device
+def test_wrapper_tensor_subclass_input(device, policy):
+    """A wrapper subclass (``__torch_dispatch__``, as DTensor) through products, dropout
+    and reshapes: plain's outputs, gradients and random numbers. A kept product of one
+    has no storage of its own (a per-op policy raised on it)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def run(wrap):
+        a, w = _randn(0, 3, 4, device=device), _randn(1, 4, 4, device=device)
+        x = TwoTensor(a, a * 2).requires_grad_()
+        w.requires_grad_()
+        torch.manual_seed(2)
+        out = wrap(_two_tensor_block)(x, w)
+        assert type(out) is TwoTensor
+        (out.sin() * out).sum().backward()
+        return out.a, out.b, x.grad.a, x.grad.b, w.grad, torch.rand(2, device=device)
 
     assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
 
