@@ -494,8 +494,15 @@ class ModuleState:
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.settled = True
-        self.ended = [slot.tensor._version for slot in self.slots]
-        for i, slot in enumerate(self.slots):
+        slots = self.slots
+        self.ended = [slot.tensor._version for slot in slots]
+        # The usual: nothing snapshotted or written, no tensor moved: no slot is updated.
+        quiet = (
+            not (self.scratch or self.snapshots or self.taken)
+            and self.ended == [slot.version for slot in slots]
+            and [_memory(slot.tensor) for slot in slots] == [slot.memory for slot in slots]
+        )
+        for i, slot in enumerate(() if quiet else slots):
             if i in self.scratch:  # updated, as learned; the recompute writes scratch
                 continue
             t = slot.tensor
@@ -569,7 +576,15 @@ class ModuleState:
                 )
         swaps: list[tuple[dict[str, Any], str, Any]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        for i, slot in enumerate(self.slots):
+        slots = self.slots
+        # The usual: no copies to make, and every slot as the forward left it.
+        unchanged = (
+            self.settled
+            and not (self.scratch or self.snapshots)
+            and [slot.tensor._version for slot in slots] == self.ended
+            and all(s.table is None or s.table.get(s.name) is s.tensor for s in slots)
+        )
+        for i, slot in enumerate(() if unchanged else slots):
             if i in self.scratch:
                 assert slot.table is not None
                 plain = torch.empty_like(slot.tensor)

@@ -405,6 +405,44 @@ def test_global_tensor_changed_between_forward_and_backward_raises(policy):
         SCALE.copy_(before)
 
 
+class _LateDecay(nn.Module):
+    """Decays a buffer in place, once switched on: after calls that did not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).to(DTYPE)
+        self.register_buffer("scale", torch.ones(6, dtype=DTYPE))
+        self.decay = False
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.decay:
+            with torch.no_grad():
+                self.scale.mul_(0.5)
+        return (self.lin(x) @ w * self.scale).tanh()
+
+
+@each_policy
+def test_buffer_first_updated_by_a_later_call_raises(policy):
+    """A buffer that the forward updates in place only from its third call on, when remat
+    has learned from the calls before that it does not and kept no value from before:
+    the recompute raises, naming it, rather than read the updated value and update it again."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        model = _LateDecay()
+        region = wrap(model)
+
+        def call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            model.decay = len(calls) >= 2
+            calls.append(None)
+            return region(x, w)
+
+        calls: list[None] = []
+        return _steps(call, model.scale)
+
+    _plain_or_raises(run, policy, "scale` of _LateDecay in place, which earlier calls")
+
+
 class _Statistics:
     """Not a module: running statistics held as an object's attributes."""
 
