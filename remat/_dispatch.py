@@ -68,6 +68,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         self.capture, self.replay, self.trace = capture, replay, trace
         self.keeper, self.replayer = keeper, replayer
         self.watch, self.guard = watch, guard  # the forward's and the recompute's, first calls
+        self.checks = watch is not None or guard is not None or trace is not None
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
         self.run, self.passed = self._run, self._passed  # bound once: handed on for every op
 
@@ -76,11 +77,22 @@ class OpMode(_torch_private.TorchDispatchMode):
         if self.paused or _local.quiet:
             return func(*args, **kwargs)
         op = _OPS.get(id(func)) or op_info(func)
+        keeper = self.keeper
+        if not self.checks:  # the usual: the bookkeeping or the replay alone (below, unrolled)
+            if self.replayer is not None:
+                return self.replayer.call(op, args, kwargs, self.run, self.passed)
+            if keeper is not None and keeper.program is not None:
+                out = keeper.follow(op, args, kwargs, self.run)
+                if out is not DIVERGED:
+                    return out
+            out = self._run(op, args, kwargs)
+            if keeper is not None:
+                keeper.after(op, args, kwargs, out)
+            return out
         if self.watch is not None and self.watch.statistics:
             self.watch.before_read(func, args)
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
-        keeper = self.keeper
         if self.replayer is not None:
             out = self.replayer.call(op, args, kwargs, self.run, self.passed)
         elif keeper is not None and keeper.program is not None:

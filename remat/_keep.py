@@ -324,12 +324,10 @@ class Provenance:
             elif kind is float:
                 keys.append(arg if arg == arg else "nan")
             elif kind is list:  # sizes, dims: the usual
-                for v in arg:
-                    if type(v) not in _SELF_DESCRIBING:
-                        keys.append(self._key(arg, reads))
-                        break
-                else:
+                if _SELF_DESCRIBING.issuperset(map(type, arg)):
                     keys.append(tuple(arg))
+                else:
+                    keys.append(self._key(arg, reads))
             else:
                 keys.append(self._key(arg, reads))
         return (op, tuple(keys), self._key(kwargs, reads) if kwargs else ())
@@ -620,14 +618,10 @@ class Keeper:
         assert program is not None
         assert provenance is not None
         index = self.count
-        try:
-            same = (
-                index < len(program.ops)
-                and op.func is program.ops[index]
-                and provenance.signature(op, args, kwargs, None) == program.sigs[index]
-            )
-        except Exception:  # an argument whose ``==`` raises (a process group): not the same
-            same = False
+        try:  # (a signature starts with its op: the op is compared first)
+            same = provenance.signature(op, args, kwargs, None) == program.sigs[index]
+        except Exception:  # past the program's end, or an argument whose ``==`` raises (a
+            same = False  # process group): not the same
         if not same:
             self._diverge()
             return DIVERGED
