@@ -18,6 +18,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import threading
 import time
 import timeit
@@ -334,10 +335,8 @@ def _generator_check(on: bool, wrap: Checkpoint) -> Checkpoint:
     return checkpoint
 
 
-def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> list[Row]:
-    """A transformer so small that compute is negligible (pre-LayerNorm, dropout; width 16,
-    8 blocks, batch 2 x 16 by default): a step's time over plain's is each mode's Python
-    overhead, as in an eager GPU step whose CPU issue time is the step time."""
+def overhead_modes() -> dict[str, Checkpoint]:
+    """The overhead workload's modes: the remat policies, their peers and the reference points."""
     found = modes()[0]
     chosen = {mode: found[mode] for mode in ("plain", "torch.utils.checkpoint", SAC)}
     chosen["remat save_nothing"] = _generator_check(True, found["remat save_nothing"])
@@ -345,6 +344,13 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
     chosen["remat save_matmuls"] = found["remat save_matmuls"]
     chosen["remat memory_budget(0.5)"] = remat.remat(policy=remat.policies.memory_budget(0.5))
     chosen[MODES_ONLY], chosen[THIN_REPLAY] = modes_only, thin_replay
+    return chosen
+
+
+def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> list[Row]:
+    """A transformer so small that compute is negligible (pre-LayerNorm, dropout; width 16,
+    8 blocks, batch 2 x 16 by default): a step's time over plain's is each mode's Python
+    overhead, as in an eager GPU step whose CPU issue time is the step time."""
     return gpt_workload(
         f"overhead: width {config.width}, {config.blocks} blocks, 2 x {config.seq}",
         config,
@@ -352,7 +358,60 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
         rounds,
         5,
         device,
-        all_modes=chosen,
+        all_modes=overhead_modes(),
+    )
+
+
+def bytecodes(config: GPTConfig, device: torch.device, steps: int = 2) -> dict[str, float]:
+    """Python bytecode instructions per step of the overhead workload (forward and backward),
+    per mode, counted with `sys.settrace` after three warm-up steps: the Python work, with
+    none of the timing noise. (Native code, torch's C++, is not counted.)"""
+    torch.manual_seed(0)
+    base = GPT(config).to(device)
+    tokens, targets = (t.to(device) for t in make_batches(config, 2, 1)[0])
+    counts = {}
+    for mode, wrap in overhead_modes().items():
+        model = copy.deepcopy(base)
+        model.checkpoint = wrap
+
+        def step(model: GPT = model) -> None:
+            torch.manual_seed(1)
+            model.zero_grad(set_to_none=True)
+            model.loss(tokens, targets).backward()
+
+        for _ in range(3):
+            step()
+        count = 0
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            nonlocal count
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+            count += event == "opcode"
+            return trace
+
+        previous = sys.gettrace()
+        sys.settrace(trace)
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            sys.settrace(previous)
+        counts[mode] = count / steps
+    return counts
+
+
+def bytecode_summary(counts: dict[str, float]) -> str:
+    """Each remat policy's bytecodes per step over plain's, relative to its peer's."""
+    plain = counts["plain"]
+    parts = [
+        f"{mode.removeprefix('remat ')} {(counts[mode] - plain) / 1e3:.0f}k = "
+        f"{(counts[mode] - plain) / (counts[peer] - plain):.2f}x {peer.split(' (')[0]}'s "
+        f"{(counts[peer] - plain) / 1e3:.0f}k"
+        for mode, peer in OVERHEAD_PEERS.items()
+    ]
+    return (
+        f"Python bytecodes per step over plain's {plain / 1e3:.0f}k (sys.settrace, "
+        "deterministic): " + "; ".join(parts) + "."
     )
 
 
@@ -962,6 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows += placement_workload(2 if args.smoke else 6, width, 64 if args.smoke else 2048, device)
     overhead_rows = overhead_workload(OVERHEAD, 1 if args.smoke else 40, device)
     rows += overhead_rows
+    counted = bytecodes(OVERHEAD, device)
     flops = recompute_flops(reference, sizes["batch"], device)
 
     micro = overhead(3 if args.smoke else 15) if device.type == "cpu" else {}
@@ -986,7 +1046,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     tables = format_rows(rows)
     budget = budget_summary(budget_rows, dominance) if dominance[0].times else ""
-    lines = [header, missing or "", tables, budget, overhead_summary(overhead_rows), flops, note]
+    lines = [header, missing or "", tables, budget, overhead_summary(overhead_rows)]
+    lines += [bytecode_summary(counted), flops, note]
     if micro:
         lines.append(
             "Tiny region, forward and backward, us per call: "
@@ -1010,6 +1071,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "per_sample_note": note,
         "budget_summary": budget,
         "overhead_summary": overhead_summary(overhead_rows),
+        "bytecodes_per_step": counted,
+        "bytecode_summary": bytecode_summary(counted),
         "recompute_flops": flops,
         "overhead_us": micro,
         "rng_block_forward_ms": rng,

@@ -53,12 +53,25 @@ def test_suite_smoke_run_writes_table_json_and_plots(tmp_path, capsys):
     assert "non-decreasing in the budget" in written["budget_summary"]
     assert "save_matmuls" in written["overhead_summary"]
     assert "without its generator check" in written["overhead_summary"]
+    assert set(written["bytecodes_per_step"]) == set(suite.overhead_modes())
+    assert "save_matmuls" in written["bytecode_summary"]
     assert "random ops as elementwise holds" in written["recompute_flops"]
     assert "OTHER LOSS" not in written["recompute_flops"]
     assert any(w.startswith("overhead:") for w in workloads)
     # torch's budget compiles its own graph (not compiled plain's, cached by Dynamo).
     compiled = {r["mode"]: r["held"] for r in written["rows"] if "compiled" in r["workload"]}
     assert compiled["activation_memory_budget=0.5"] < compiled["activation_memory_budget=1"]
+
+
+def test_bytecode_counts_repeat_and_grow_with_the_work_done():
+    """The bench's bytecode count is steady from run to run (within 1%: a collector pass or
+    a weak reference's callback may fall in one run's steps and not the other's), and counts
+    more for modes that do more: checkpoint's hooks, then SAC's dispatch modes."""
+    config = suite.dataclasses.replace(suite.OVERHEAD, blocks=2)
+    first, second = (suite.bytecodes(config, torch.device("cpu"), steps=1) for _ in range(2))
+    for mode, count in first.items():
+        assert abs(second[mode] - count) <= 0.01 * count, mode
+    assert first["plain"] < first["torch.utils.checkpoint"] < first[suite.SAC]
 
 
 def test_the_thin_replay_reference_keeps_the_matmuls_and_checks_each_op():
