@@ -443,6 +443,26 @@ def test_buffer_first_updated_by_a_later_call_raises(policy):
     _plain_or_raises(run, policy, "scale` of _LateDecay in place, which earlier calls")
 
 
+@each_policy
+def test_parameter_stepped_between_forward_and_backward_raises(policy):
+    """An optimizer step between a call's forward and its backward: the recompute would
+    read the stepped weights, so it raises, naming the parameter (on the region's second
+    call, when its modules' state is not watched any more, too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).to(DTYPE)
+    region = remat.remat(model, policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    region(_batch(0)).sin().sum().backward()
+    out = region(_batch(1)).sin().sum()
+    opt.step()
+    if region.policy.keeps_everything:  # no region: autograd's own check
+        with pytest.raises(RuntimeError, match="modified by an inplace"):
+            out.backward()
+        return
+    with pytest.raises(RuntimeError, match="tensor `weight` of Linear was modified in place"):
+        out.backward()
+
+
 class _Statistics:
     """Not a module: running statistics held as an object's attributes."""
 
