@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -1099,6 +1100,25 @@ def run_stack(
     region = outer(fn)
     transformed = STACKS[stack](lambda x: scalar_of(region(x)))
     return from_seed(lambda: transformed(x), [params.generator])
+
+
+def assert_stack_equal(
+    stack: str,
+    program: Program,
+    x: torch.Tensor,
+    outer: Callable[..., Any],
+    inner: Callable[..., Any] = identity,
+    tolerance: float = 0.0,
+) -> None:
+    """`run_stack` with ``outer`` and ``inner`` gives what it gives plain; where plain
+    raises (vmap's fallback refuses ``relu_`` on a view of a leaf), the same error."""
+    try:
+        expected = run_stack(stack, program, x)
+    except RuntimeError as error:
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            run_stack(stack, program, x, outer, inner)
+        return
+    assert_tree_equal(run_stack(stack, program, x, outer, inner), expected, tolerance)
 
 
 def import_benchmark(name: str) -> Any:
