@@ -167,6 +167,7 @@ _SELF_DESCRIBING = frozenset(
     {int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
 _PARAMETER = torch.nn.Parameter
+_PLAIN = (torch.Tensor, _PARAMETER)
 
 
 class _Made(NamedTuple):
@@ -264,10 +265,12 @@ class Provenance:
 
     def transients(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """End of a forward: the tensors from outside it read that nothing but the region's
-        ``outputs`` holds now.
+        ``outputs`` holds now, and the wrapper subclasses (``__torch_dispatch__``) among them,
+        which C++ may hold too: no count tells whether only remat holds them.
 
-        Made in the region outside aten (``torch.from_numpy`` of a value's ``.numpy()``):
-        kept alive, so that the recompute can check its twins against them (`_twin`).
+        Made in the region outside aten (``torch.from_numpy`` of a value's ``.numpy()``,
+        ``TwoTensor(h, h)``): kept alive, so that the recompute can check its twins against
+        them (`_twin`).
         """
         held, self.held = self.held, []
         returned = {id(t) for t in outputs}
@@ -275,7 +278,11 @@ class Provenance:
             held[i]
             for i in range(len(held))
             # References: the list's, and the call's argument (fewer where it is borrowed).
-            if (sys.getrefcount(held[i]) <= 2 or id(held[i]) in returned)
+            if (
+                sys.getrefcount(held[i]) <= 2
+                or id(held[i]) in returned
+                or (type(held[i]) not in _PLAIN and _torch_private.is_wrapper_subclass(held[i]))
+            )
             and not held[i]._is_zerotensor()  # forward-mode AD's: no values to compare
         ]
 

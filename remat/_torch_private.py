@@ -21,6 +21,7 @@ import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_wrapper_subclass
 
 _F: Any = torch._C._functorch
 
@@ -68,6 +69,7 @@ __all__ = [
     "running_regions",
     "requiring_grad",
     "saved_tensors_hooks_enabled",
+    "is_wrapper_subclass",
     "rewraps_outputs",
     "install",
     "is_aten_op",

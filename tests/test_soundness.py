@@ -736,12 +736,11 @@ def _wraps_inside(x, w):
     return (TwoTensor(x, x * 2) @ w).relu().sum(-1)
 
 
-@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
 def test_wrapper_subclass_made_inside_fn(policy):
-    """Known issue (docs/limitations.md): a wrapper subclass that ``fn`` builds from a value
-    of the region is a tensor made outside aten; a per-op policy's recompute cannot match
-    it to the forward's (C++ holds it, so it is not kept to compare its twin against), and
-    raises. The default policy gives plain's gradient."""
+    """A wrapper subclass that ``fn`` builds from a value of the region, a tensor made
+    outside aten that C++ holds too: plain's outputs and gradient (a per-op policy kept no
+    copy of it to check its recompute twin against, and raised)."""
 
     def run(wrap):
         x, w = _randn(0, 3, 4), _randn(1, 4, 4)
@@ -749,11 +748,24 @@ def test_wrapper_subclass_made_inside_fn(policy):
         out.sum().backward()
         return out.a, out.b, w.grad
 
-    if policy == "save_nothing":
-        assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
-    else:
-        with pytest.raises(RecomputeError, match="never rebuilt"):
-            run(lambda f: remat(f, policy=policy))
+    assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
+
+
+def test_wrapper_subclass_made_inside_fn_that_differs_in_the_recompute_raises():
+    """The recompute's twin of such a subclass must equal the forward's: one built from
+    values that changed (Python state read through ``.numpy()``) raises."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    shift = [0.0]
+
+    def f(x, w):
+        base = torch.from_numpy(x.detach().numpy() + shift[0])
+        return (TwoTensor(base, base * 2) @ w).relu().sum(-1)
+
+    out = remat(f, policy="save_matmuls")(_randn(0, 3, 4), _randn(1, 4, 4))
+    shift[0] = 1.0
+    with pytest.raises(RecomputeError, match="never rebuilt"):
+        out.sum().backward()
 
 
 def _sin_cos(a: torch.Tensor) -> torch.Tensor:

@@ -546,6 +546,22 @@ def test_rewraps_outputs_tells_subclasses_that_convert_outputs():
     assert type(t.as_subclass(Sub).sin()) is Sub  # what makes remat index by storage
 
 
+def test_is_wrapper_subclass_tells_dispatch_wrappers_from_other_tensors():
+    """A ``__torch_dispatch__`` wrapper (TwoTensor, the kind DTensor is) holds its data in
+    the tensors it wraps; plain tensors, Parameters and `__torch_function__` subclasses do
+    not wrap."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Sub(torch.Tensor):
+        pass
+
+    t = torch.ones(2)
+    assert tp.is_wrapper_subclass(TwoTensor(t, t))
+    assert not tp.is_wrapper_subclass(t)
+    assert not tp.is_wrapper_subclass(torch.nn.Parameter(t))
+    assert not tp.is_wrapper_subclass(t.as_subclass(Sub))
+
+
 def test_subclass_functions_are_off_in_a_subclass_backward_and_turn_back_on():
     """``backward()`` on a subclass runs inside its ``__torch_function__``: subclass
     functions are off in the hooks, and `subclass_functions(True)` turns them back on."""
