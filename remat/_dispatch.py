@@ -15,8 +15,10 @@ from typing import Any
 
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
-from ._keep import _OPS, DIVERGED, Keeper, Op, Replayer, op_info, written
+from ._keep import DIVERGED, Keeper
 from ._modules import ModuleState, WriteGuard
+from ._provenance import _OPS, Op, op_info, written
+from ._replayer import Replayer
 from ._rng import RngCapture, RngReplay
 
 __all__ = ["QUIET", "GuardedOpMode", "OpMode"]

@@ -7,7 +7,7 @@ the graph's nodes but none of those activations. The first unpack of a handle in
 a backward pass re-runs ``fn`` once for that pass and collects the values of the
 handles still alive, stopping right after the last of them. Under a per-op
 policy every op of that re-run is first matched to the forward's, and only a
-matched op is replayed from a kept value or skipped (see ``_keep``).
+matched op is replayed from a kept value or skipped (see ``_replayer``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from ._errors import (
     diff_traces,
     node_op,
 )
-from ._keep import Keeper, Replayer, Restart
+from ._keep import Keeper
 from ._modules import ModuleState, WriteGuard
 from ._policies import Policy
+from ._replayer import Replayer, Restart
 from ._rng import GeneratorWatch, RngCapture, RngLend, threaded
 
 __all__ = ["Region", "running_region"]
