@@ -233,10 +233,14 @@ class Keeper:
             pass
         step = self.budget is not None and kind == ALWAYS_RUNS and self._step(op, args, out)
         provenance.record(op, args, out, index)
+        plain = True
         if type(out) is torch.Tensor:  # `Shape.of`, for the usual output
             layout = tuple.__new__(Shape, (out.shape, out.stride(), out.dtype, out.device))
         else:
             layout = Shape.of(out)
+            # A wrapper subclass's output (TwoTensor, DTensor) has no stand-in: a skipped
+            # op's plain ``meta`` tensor would send the ops that read it below the subclass.
+            plain = all(type(t) is torch.Tensor for t in output_tensors(out))
         self.layouts.append(layout)
         decided = (kind in (DECIDED, READS_METADATA) or step) and layout is not None
         if self.budget is not None:
@@ -245,6 +249,8 @@ class Keeper:
             self.roots.append(index)
             if not (step and decided):
                 return
+        elif not plain:
+            self.roots.append(index)  # it runs, unless the policy keeps it
         if not decided:
             return
         decision = self.decided.get(op) if self.decided is not None else None

@@ -709,12 +709,19 @@ def _two_tensor_block(x, w):
     return (h @ w.t()).reshape(-1).view(x.shape[0], -1).sin() * x
 
 
+def _dropout_of_a_product(x, w):
+    h = F.dropout(x @ w, 0.3)  # dropout reads only the product's layout
+    return (h.sin() * h).reshape(-1).view(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("block", [_two_tensor_block, _dropout_of_a_product])
 @pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
 @each_device
-def test_wrapper_tensor_subclass_input(device, policy):
+def test_wrapper_tensor_subclass_input(device, policy, block):
     """A wrapper subclass (``__torch_dispatch__``, as DTensor) through products, dropout
     and reshapes: plain's outputs, gradients and random numbers. A kept product of one
-    has no storage of its own (a per-op policy raised on it)."""
+    has no storage of its own (a per-op policy raised on it); a skipped one's plain
+    ``meta`` stand-in gave dropout one plain mask, not the pair's two (a wrong gradient)."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     def run(wrap):
@@ -722,7 +729,7 @@ def test_wrapper_tensor_subclass_input(device, policy):
         x = TwoTensor(a, a * 2).requires_grad_()
         w.requires_grad_()
         torch.manual_seed(2)
-        out = wrap(_two_tensor_block)(x, w)
+        out = wrap(block)(x, w)
         assert type(out) is TwoTensor
         (out.sin() * out).sum().backward()
         return out.a, out.b, x.grad.a, x.grad.b, w.grad, torch.rand(2, device=device)
