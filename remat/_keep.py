@@ -2,7 +2,8 @@
 
 Forward (`Keeper`): every aten op of the region gets an index and a signature (see
 `_provenance`). The policy decides for each op's outputs (random, in-place and view ops
-always run; `memory_budget` may keep the end of an in-place chain, `Keeper._chains`).
+always run, as does batch norm in training; `memory_budget` may keep the end of an
+in-place chain, `Keeper._chains`).
 When the forward ends, the ops the recompute needs are found backwards from the values
 autograd saved, stopping at kept ops: those kept values are held, every other one is
 released, and unneeded ops are marked to be skipped. Later forwards of the same region
@@ -194,11 +195,11 @@ class Keeper:
         self.skips = True
         self.finished = False
         # `memory_budget`: its plan for this region's signature, or (while it has none)
-        # each op's estimated cost and the storages autograd saves (ptr -> bytes).
+        # each op's estimated cost and the storages autograd saves.
         self.budget = policy.budget
         self.plan: _budget.Plan | None = None
         self.costs: list[float] | None = None
-        self.saved_bytes: dict[int, int] = {}
+        self.saved_bytes: dict[int, tuple[Any, int]] = {}  # memory -> (storage, bytes)
         # The program this region's earlier forwards ran (same owner, training mode, policy,
         # input layouts and modules reached: closures of one code over other modules run
         # other programs), followed op by op while it fits (`follow`). A policy that looks
@@ -223,6 +224,8 @@ class Keeper:
         func = op.func
         self.ops.append(func)
         kind = op.kind
+        if op.writes and not op.mutable and args[5]:
+            kind = ALWAYS_RUNS  # batch norm in training: it updates the running statistics
         reads: set[int] = set()
         signature = provenance.signature(op, args, kwargs, reads)
         self.sigs.append(signature)
@@ -429,7 +432,10 @@ class Keeper:
         """While `memory_budget` plans: the bytes of a saved value's storage, if made here."""
         key = storage_key(t)
         if key is not None and op_info(self.ops[self._base(index)]).kind != VIEW:
-            self.saved_bytes[key[0]] = t.untyped_storage().nbytes()
+            # The storage is held while it plans: freed, it could lend its memory (its key)
+            # to another saved value.
+            storage = t.untyped_storage()
+            self.saved_bytes[key[0]] = (storage, storage.nbytes())
 
     def handed_back(self, handle: int, value: torch.Tensor) -> None:
         """A recompute inside the forward gave ``fn`` the value of ``handle``."""
@@ -516,7 +522,8 @@ class Keeper:
                 if not any(data_start(t) in theirs for t in made):
                     candidates[index] = sum(t.untyped_storage().nbytes() for t in made)
         theirs.discard(None)
-        plain = sum(n for memory, n in self.saved_bytes.items() if memory not in theirs)
+        plain = sum(n for memory, (_, n) in self.saved_bytes.items() if memory not in theirs)
+        self.saved_bytes = {}
         order, why = _budget.choose(
             self.budget.fraction, candidates, plain, self.deps, self.costs, starts, self.chains
         )

@@ -308,19 +308,27 @@ class _Scratch(torch.Tensor):
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a property: its name is the descriptor's
             name = getattr(getattr(func, "__self__", None), "__name__", "")
-        if func is torch.nn.functional.batch_norm or name in _METADATA:
+        if (
+            func is torch.nn.functional.batch_norm and _training(args, kwargs)
+        ) or name in _METADATA:
             args = tuple(a.plain if isinstance(a, _Scratch) else a for a in args)
             kwargs = {k: v.plain if isinstance(v, _Scratch) else v for k, v in kwargs.items()}
             return func(*args, **kwargs)
-        scratch = next(_scratches((args, kwargs)))
-        slot = scratch.slot
-        _learning(slot.module).read.add(slot.name)
+        slots = [scratch.slot for scratch in _scratches((args, kwargs))]
+        for slot in slots:  # each read here is learned at once
+            _learning(slot.module).read.add(slot.name)
+        slot = slots[0]
         raise RecomputeError(
             f"`remat`: the recompute read `{slot.name}` of {type(slot.module).__name__} "
             f"through `{name or func}`, which remat did not keep: its "
             "earlier forwards only updated it as batch norm's running statistic. Later "
             "calls keep it."
         )
+
+
+def _training(args: Any, kwargs: Any) -> bool:
+    """Whether a call of ``F.batch_norm`` writes the statistics (in evaluation it reads them)."""
+    return bool(kwargs.get("training", args[5] if len(args) > 5 else False))
 
 
 # What `_Scratch` lets through besides batch norm: a tensor's metadata, not its values.
@@ -480,7 +488,9 @@ class ModuleState:
         """A watched forward runs ``func``: if it reads batch norm's running statistics
         other than as batch norm's own, they are read (the recompute must see them)."""
         stats = self.statistics
-        skip = (3, 4) if func in BATCH_NORM_OPS else (0,) if func is aten.add_.Tensor else ()
+        # Batch norm in training writes them (arguments 3 and 4), in evaluation reads them.
+        training = func in BATCH_NORM_OPS and args[5]
+        skip = (3, 4) if training else (0,) if func is aten.add_.Tensor else ()
         for position, arg in enumerate(args):
             if position in skip:
                 continue

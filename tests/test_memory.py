@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import remat
 from tests import helpers
@@ -126,29 +127,39 @@ def test_batch_norm_regions_hold_what_torch_checkpoint_holds(policy):
 
 
 class _Watching(torch.nn.Module):
-    """Reads its batch norm's running mean besides batch norm, while ``reads``: as an op's
-    argument, or in a list (``stacked``); its metadata, always."""
+    """Reads its batch norm's running mean besides batch norm as ``reads`` says (None: not
+    at all); its metadata, always."""
 
-    def __init__(self, reads: bool, stacked: bool = False) -> None:
+    def __init__(self, reads: str | None = None) -> None:
         super().__init__()
-        self.bn, self.reads, self.stacked = torch.nn.BatchNorm1d(4), reads, stacked
+        self.bn, self.reads = torch.nn.BatchNorm1d(4), reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean = self.bn.running_mean
         if mean.shape != (4,) or mean.device != x.device or mean.dim() != 1:
             raise ValueError(mean.shape)
         out = self.bn(x)
-        if self.reads:  # the statistic read as a value, which the backward needs
-            out = out * (torch.stack([mean, mean]).sum(0) if self.stacked else mean.exp())
+        if self.reads == "argument":  # the statistic read as a value, which the backward needs
+            out = out * mean.exp()
+        elif self.reads == "in-a-list":
+            out = out * torch.stack([mean, mean]).sum(0)
+        elif self.reads == "saved":  # the product saves the statistic itself
+            out = out * mean
+        elif self.reads == "batch-norm-in-eval":  # batch norm's own kernel reads it
+            out = out + F.batch_norm(x, mean, self.bn.running_var, training=False)
         return out.sin()
 
 
+@pytest.mark.parametrize("reads", ["argument", "saved", "batch-norm-in-eval"])
 @pytest.mark.parametrize("policy", helpers.POLICIES.values(), ids=helpers.POLICIES.keys())
-def test_a_statistic_read_besides_batch_norm_is_kept(policy):
-    """A forward that reads batch norm's running mean as a value: its first (watched) call
-    sees the read, and the recompute reads the kept value: bitwise plain's, no error."""
+def test_a_statistic_read_besides_batch_norm_is_kept(policy, reads):
+    """A forward that reads batch norm's running mean as a value (also through batch norm in
+    evaluation, which gave scratch memory's values from the second call on; or saved as it
+    is, after a policy kept batch norm's output, which left the recompute's copy of the
+    statistic as it was before the update): its first (watched) call sees the read, and the
+    recompute reads the kept value: bitwise plain's, no error."""
     torch.manual_seed(0)
-    model, plain = _Watching(reads=True), _Watching(reads=True)
+    model, plain = _Watching(reads), _Watching(reads)
     plain.load_state_dict(model.state_dict())
     f = remat.remat(model, policy=policy)
     x = torch.randn(6, 4, requires_grad=True)
@@ -158,21 +169,21 @@ def test_a_statistic_read_besides_batch_norm_is_kept(policy):
         helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["argument", "in-a-list"])
+@pytest.mark.parametrize("reads", ["argument", "in-a-list", "batch-norm-in-eval"])
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_a_statistic_first_read_in_a_later_call_raises_once(policy, stacked):
+def test_a_statistic_first_read_in_a_later_call_raises_once(policy, reads):
     """A statistic read besides batch norm only from a later call on (data-dependent): that
     call's recompute raises, as the scratch holds no value, and later calls keep it. Its
     metadata (shape, device) reads as the statistic's on every call."""
     torch.manual_seed(0)
-    model, plain = _Watching(False, stacked), _Watching(False, stacked)
+    model, plain = _Watching(), _Watching()
     plain.load_state_dict(model.state_dict())
     f = remat.remat(model, policy=policy)
     x = torch.randn(6, 4, requires_grad=True)
     for _ in range(3):
         f(x).sum().backward()
         plain(x).sum().backward()
-    model.reads = plain.reads = True
+    model.reads = plain.reads = reads
     with pytest.raises(remat.RecomputeError, match="`running_mean` of BatchNorm1d"):
         f(x).sum().backward()
     plain(x)
