@@ -131,6 +131,7 @@ class Keeper:
         "layouts",
         "made",
         "made_outside",
+        "memories",
         "offload",
         "ops",
         "outside",
@@ -185,6 +186,7 @@ class Keeper:
         self.described: list[Any] = []  # handle index -> the saved value's signature
         self.kept: dict[int, tuple[Any, int]] = {}  # op index -> (output, version)
         self.keys: dict[tuple[Any, ...], int] = {}  # storage key of a kept output -> index
+        self.memories: dict[int, int] = {}  # where a kept output's data starts -> index
         self.wanted: set[int] = set()  # ops whose outputs autograd saved for a rebuild
         self.skip: dict[int, Any] = {}  # op index -> layout, once the forward finished
         self.tags: dict[int, frozenset[str]] = {}
@@ -235,6 +237,8 @@ class Keeper:
         except TypeError:  # an unhashable argument: never matched
             pass
         step = self.budget is not None and kind == ALWAYS_RUNS and self._step(op, args, out)
+        if op.mutable and self.memories:
+            self._written_behind(op, args, kwargs)
         provenance.record(op, args, out, index)
         plain = True
         if type(out) is torch.Tensor:  # `Shape.of`, for the usual output
@@ -286,6 +290,8 @@ class Keeper:
             return DIVERGED
         out = run(op, args, kwargs) if op.random else op.func(*args, **kwargs)
         self.count = index + 1
+        if op.mutable and self.memories:
+            self._written_behind(op, args, kwargs)
         if type(out) is torch.Tensor and provenance.shared is None and not op.view:
             provenance.made[id(out)] = tuple.__new__(
                 Made, (weakref.ref(out), index, 0, out._version)
@@ -297,6 +303,21 @@ class Keeper:
             self.decisions[index] = decision
             self._apply(index, decision, out)
         return out
+
+    def _written_behind(self, op: Op, args: Any, kwargs: Any) -> None:
+        """In-place op ``op`` (it just ran) wrote the memory of a kept value whose version
+        did not move: through an alias with a version counter of its own (``.data``, a
+        ``set_`` of it). The kept value no longer holds what its op computed, and nothing
+        else tells: it is not kept (the recompute runs its op again)."""
+        for t in written(op, args, kwargs):
+            memory = data_start(t) if t.layout == torch.strided else None
+            index = self.memories.get(memory) if memory is not None else None
+            if index is None or index not in self.kept:
+                continue
+            out, version = self.kept[index]
+            if output_version(out) == version:
+                del self.kept[index]
+                self.offload.pop(index, None)
 
     def _diverge(self) -> None:
         """The forward leaves its program at op `count`: from there it records every op, as
@@ -397,6 +418,7 @@ class Keeper:
             key = storage_key(t)
             if key is not None:
                 self.keys[key] = index
+                self.memories[key[0]] = index
         if decision is Decision.OFFLOAD:
             target = self.policy.device or torch.device("cpu")
             self.offload[index] = (output_tensors(out)[0].device, target)
@@ -499,7 +521,7 @@ class Keeper:
         made = self.provenance.made  # type: ignore[union-attr]
         self.made = {key: entry for key, entry in made.items() if entry[0]() is not None}
         self.made_outside = self.provenance.transients(outputs)  # type: ignore[union-attr]
-        self.provenance, self.keys, self.finished = None, {}, True
+        self.provenance, self.keys, self.memories, self.finished = None, {}, {}, True
 
     def _choose(self, outputs: list[torch.Tensor]) -> None:
         """`memory_budget`'s first forward of a program: choose what to keep, and plan.
