@@ -22,7 +22,9 @@ slot, the tensor it held at entry.
 - The recompute of a watched forward refuses writes to memory from before it other
   than the private copies (`WriteGuard`): state held where remat does not look.
 - A slot whose tensor the forward itself replaced (a module assigning a new
-  buffer) is left alone, and so is every parameter slot of a module inside an
+  buffer) is left alone, unless the forward updated the old tensor in place first (it is
+  then an updated slot: the recompute gets a copy of the snapshot in the slot), and so is
+  every parameter slot of a module inside an
   FSDP2 unit: FSDP2 swaps sharded and unsharded parameters in and out of it
   between the forward and the backward, and installs for the recompute what it
   re-gathers from the shards (as for plain autograd). Their buffers are handled
@@ -515,10 +517,7 @@ class ModuleState:
         for i, slot in enumerate(() if quiet else slots):
             if i in self.scratch:  # updated, as learned; the recompute writes scratch
                 continue
-            t = slot.tensor
-            if slot.table is not None and slot.table.get(slot.name) is not t:  # replaced
-                self.snapshots.pop(i, None)
-                continue
+            t = slot.tensor  # (if the forward replaced it, as it left the old one)
             moved = _memory(t) != slot.memory  # ``.data`` assigned
             snapshot = self.snapshots.get(i)
             if moved and snapshot is None and self.watching:
