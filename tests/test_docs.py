@@ -218,3 +218,122 @@ def test_keep_every_op_policy_under_forward_mode(transform: str) -> None:
     expected = run(_sin_times_3)
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("how", "policy"),
+    [("assigned", "save_nothing"), ("assigned", "save_matmuls"), ("written", "save_nothing")],
+)
+def test_data_of_a_parameter_changed_between_forward_and_backward_is_not_seen(how, policy):
+    """A parameter's ``.data`` assigned, or written through, between the forward and the
+    backward (no version bump): a recompute that reads it reads the new values, where
+    plain autograd's saved weights hold the old (FSDP1 re-gathers its flat parameters by
+    assigning ``.data``)."""
+    original = torch.nn.Linear(4, 4).double().weight.detach()
+
+    def grad(wrap: Callable[[Any], Any]) -> torch.Tensor:
+        linear = torch.nn.Linear(4, 4).double()
+        linear.weight.data = original.clone()
+        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        out = wrap(lambda x: linear(x).tanh())(x).sum()
+        if how == "assigned":
+            linear.weight.data = original * 2
+        else:
+            linear.weight.data.mul_(2)
+        return torch.autograd.grad(out, x)[0]
+
+    plain = grad(lambda f: f)
+    assert not torch.equal(grad(lambda f: rematerialize(f, policy=policy)), plain), STALE
+
+
+def test_write_outside_aten_to_a_kept_value_is_not_seen() -> None:
+    """A value a per-op policy keeps, written through ``.numpy()`` inside ``fn``: the
+    recompute replays the written value and writes it again."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        h.detach().numpy()[:] *= 2
+        return h.sin()
+
+    def grads(f: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(0)
+        x, w = (torch.randn(3, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        return torch.autograd.grad(f(x, w).sum(), (x, w))
+
+    assert not torch.equal(grads(rematerialize(fn, policy="save_matmuls"))[0], grads(fn)[0]), STALE
+    assert torch.equal(grads(rematerialize(fn))[0], grads(fn)[0])  # recomputed, not kept
+
+
+class _Doubling(torch.overrides.TorchFunctionMode):
+    """A user's function mode that changes what ``sin`` computes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.Tensor.sin else out
+
+
+def test_function_mode_around_the_forward_is_not_replayed() -> None:
+    """A torch function mode around the call: the recompute runs in the backward, with no
+    function mode, so it computes something else: a per-op policy raises, the default
+    policy gives other gradients with no error."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.sin().exp()
+
+    def grad(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
+        with _Doubling():
+            out = f(x).sum()
+            return torch.autograd.grad(out, x)[0]
+
+    assert not torch.equal(grad(rematerialize(fn)), grad(fn)), STALE
+    with pytest.raises(remat.RecomputeError):
+        grad(rematerialize(fn, policy="save_matmuls"))
+
+
+def _inference_section(x: torch.Tensor) -> torch.Tensor:
+    h = x.exp()
+    with torch.inference_mode():
+        scale = (h.detach() * 2).sin()
+    return h * scale.clone()
+
+
+def _parameter_made_inside(x: torch.Tensor) -> torch.Tensor:
+    h = x.exp()
+    p = torch.nn.Parameter(h.detach().clone())
+    return (h * p).sin() * p
+
+
+@pytest.mark.parametrize("fn", [_inference_section, _parameter_made_inside])
+def test_known_false_alarms_of_per_op_policies(fn):
+    """An ``inference_mode`` section inside ``fn``, and a ``Parameter`` made inside it: the
+    per-op policies raise where plain autograd and the default policy run."""
+    x = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(fn(x).sum(), x)[0]
+    assert torch.equal(torch.autograd.grad(rematerialize(fn)(x).sum(), x)[0], expected)
+    with pytest.raises(RuntimeError):  # RecomputeError is one
+        torch.autograd.grad(rematerialize(fn, policy="save_matmuls")(x).sum(), x)
+
+
+def _normalized(x: torch.Tensor, scale: Any, mean: torch.Tensor, var: torch.Tensor):
+    return torch.nn.functional.batch_norm(x * scale, mean, var, training=True).tanh().sum()
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_statistic_passed_at_another_position_is_not_learned(policy):
+    """Running statistics passed as arguments, learned per position: a later call that
+    passes them at other positions (a tensor argument before them where the first calls
+    passed a number) updates one a second time in its recompute (the default policy), or
+    raises (a per-op policy)."""
+    stats = {"plain": (torch.zeros(3), torch.ones(3)), "remat": (torch.zeros(3), torch.ones(3))}
+    f = rematerialize(_normalized, policy=policy)
+    for scale in (2.0, 2.0, torch.tensor(2.0)):
+        x = torch.linspace(-1, 1, 18).view(6, 3).requires_grad_()
+        _normalized(x, scale, *stats["plain"]).backward()
+        out = f(x, scale, *stats["remat"])
+        if isinstance(scale, torch.Tensor) and policy != "save_nothing":
+            with pytest.raises(remat.RecomputeError):
+                out.backward()
+            return
+        out.backward()
+    assert not torch.equal(stats["plain"][1], stats["remat"][1]), STALE
