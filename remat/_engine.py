@@ -259,13 +259,15 @@ def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
 class _Setting:
     """What a region's recompute re-establishes from its forward, built at the forward.
 
-    The forward's torch.func levels, module state, autocast state, whether subclasses'
+    The forward's torch.func levels, module state, autocast state, the user's torch
+    function modes (autograd runs the recompute with none), whether subclasses'
     ``__torch_function__`` ran, RNG capture and per-op bookkeeping; `recreate` enters all
     of them for one recompute.
     """
 
     __slots__ = (
         "autocast",
+        "function_modes",
         "functions",
         "generators",
         "keeper",
@@ -290,6 +292,12 @@ class _Setting:
         self.levels = _functorch.Levels.capture(inputs)
         self.modules = modules
         self.autocast = _autocast_state()
+        # The user's torch function modes (``torch.device(...)`` is one), not remat's own.
+        self.function_modes = [
+            mode
+            for mode in _torch_private.function_modes()
+            if not type(mode).__module__.startswith("remat.")
+        ]
         self.functions = _torch_private.subclass_functions_enabled()
         self.rng = RngCapture() if preserve_rng else None
         self.generators = generators
@@ -359,6 +367,8 @@ class _Setting:
         running = _Running(None, pack, pack.unpack, under_transforms=False)
         stack.enter_context(_torch_private.region_running(running))
         stack.enter_context(_autocast(self.autocast))
+        for function_mode in self.function_modes:
+            stack.enter_context(function_mode)
         stack.enter_context(_torch_private.subclass_functions(self.functions))
         if self.levels:
             stack.enter_context(_torch_private.saved_tensors_hooks_enabled())

@@ -79,6 +79,7 @@ __all__ = [
     "TorchDispatchMode",
     "checkpoint_options",
     "subclass_functions_enabled",
+    "function_modes",
     "subclass_functions",
 ]
 
@@ -576,6 +577,19 @@ def subclass_functions_enabled() -> bool:
     remat's recompute, with it off.
     """
     return bool(torch._C._is_torch_function_enabled())
+
+
+def function_modes() -> list[Any]:
+    """The torch function modes active here, outermost first (none, the usual: one call).
+
+    Autograd runs backward hooks, and so remat's recompute, with none active; torch has
+    no public way to read the stack.
+    """
+    if not torch._C._len_torch_function_stack():
+        return []
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
 
 
 def subclass_functions(enabled: bool) -> contextlib.AbstractContextManager[Any]:

@@ -264,33 +264,6 @@ def test_write_outside_aten_to_a_kept_value_is_not_seen() -> None:
     assert torch.equal(grads(rematerialize(fn))[0], grads(fn)[0])  # recomputed, not kept
 
 
-class _Doubling(torch.overrides.TorchFunctionMode):
-    """A user's function mode that changes what ``sin`` computes."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        return out * 2 if func is torch.Tensor.sin else out
-
-
-def test_function_mode_around_the_forward_is_not_replayed() -> None:
-    """A torch function mode around the call: the recompute runs in the backward, with no
-    function mode, so it computes something else: a per-op policy raises, the default
-    policy gives other gradients with no error."""
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return x.sin().exp()
-
-    def grad(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        x = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
-        with _Doubling():
-            out = f(x).sum()
-            return torch.autograd.grad(out, x)[0]
-
-    assert not torch.equal(grad(rematerialize(fn)), grad(fn)), STALE
-    with pytest.raises(remat.RecomputeError):
-        grad(rematerialize(fn, policy="save_matmuls"))
-
-
 def _inference_section(x: torch.Tensor) -> torch.Tensor:
     h = x.exp()
     with torch.inference_mode():

@@ -808,6 +808,33 @@ def test_kept_value_written_through_an_alias_of_its_own(policy, fn):
         assert_tree_equal(run(f), run(fn))
 
 
+class _Doubling(torch.overrides.TorchFunctionMode):
+    """A user's function mode that changes what ``sin`` computes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.Tensor.sin else out
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_function_mode_around_the_call_is_replayed(policy):
+    """A torch function mode around the call (``torch.device(...)`` is one): autograd runs
+    the recompute with none, so remat enters the forward's. Plain's gradients, where the
+    default policy gave others with no error and per-op policies raised."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * x).exp()
+
+    def grad(f):
+        x = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
+        with _Doubling():
+            return torch.autograd.grad(f(x).sum(), x)[0]
+
+    f = remat(fn, policy=policy)
+    for _ in range(2):
+        assert_tree_equal(grad(f), grad(fn))
+
+
 def _sin_cos(a: torch.Tensor) -> torch.Tensor:
     return (a.sin() * a.cos()).sum()
 

@@ -587,6 +587,30 @@ def test_subclass_functions_are_off_in_a_subclass_backward_and_turn_back_on():
     assert seen == [False, "Sub", "Tensor"]
 
 
+def test_function_modes_reads_the_stack_outermost_first_and_none_in_backward_hooks():
+    """`function_modes` lists the active torch function modes, outermost first; autograd
+    runs saved-tensor hooks with none active (why remat enters the forward's)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Through(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    assert tp.function_modes() == []
+    with torch.device("cpu"):  # a function mode too
+        assert len(tp.function_modes()) == 1
+    seen = []
+    with Through() as outer, Through() as inner:
+        assert tp.function_modes() == [outer, inner]
+        x = torch.ones(2, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: seen.append(tp.function_modes()) or t
+        ):
+            y = x.sin().sum()
+        y.backward()
+    assert seen == [[]]
+
+
 def test_install_leaves_torch_alone_outside_regions():
     """After `install`, outside regions torch.func still refuses to start under pushed hooks."""
     tp.install()
