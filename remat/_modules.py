@@ -22,14 +22,14 @@ slot, the tensor it held at entry.
 - The recompute of a watched forward refuses writes to memory from before it other
   than the private copies (`WriteGuard`): state held where remat does not look.
 - A slot whose tensor the forward itself replaced (a module assigning a new
-  buffer) is left alone, unless the forward updated the old tensor in place first (it is
-  then an updated slot: the recompute gets a copy of the snapshot in the slot), and so is
-  every parameter slot of a module inside an
-  FSDP2 unit: FSDP2 swaps sharded and unsharded parameters in and out of it
-  between the forward and the backward, and installs for the recompute what it
-  re-gathers from the shards (as for plain autograd). Their buffers are handled
-  like any other module's. A sharded parameter the region saw is version-checked:
-  updating it before the backward raises, as for any other parameter.
+  buffer) is left alone, unless the forward updated the old tensor in place first (it
+  is then an updated slot: the recompute gets a copy of the snapshot in the slot), and
+  so is every parameter slot of a module inside an FSDP2 unit: FSDP2 swaps sharded and
+  unsharded parameters in and out of it between the forward and the backward, and
+  installs for the recompute what it re-gathers from the shards (as for plain
+  autograd). Their buffers are handled like any other module's. A sharded parameter
+  the region saw is version-checked: updating it before the backward raises, as for
+  any other parameter.
 """
 
 from __future__ import annotations
