@@ -323,9 +323,23 @@ class Provenance:
         if kind is torch.Generator:  # isinstance goes through a slow metaclass
             # A dispatch mode sees a new wrapper of the same generator each time.
             return ("generator", value.device, value.initial_seed())
+        if kind is torch.UntypedStorage:  # ``set_`` onto a tensor's memory
+            return self._storage(value, reads)
         if isinstance(value, float) and value != value:
             return "nan"
         return value
+
+    def _storage(self, storage: Any, reads: set[int] | None) -> Any:
+        """A storage argument, as the first tensor made here whose storage it is, the op
+        that made the memory (each run makes storages of its own; ``set_``'s own target
+        shows it too, once the op ran); else itself (an input's, or one from outside)."""
+        for made in self.made.values():
+            m = made.ref()
+            if m is not None and m.layout == torch.strided and m.untyped_storage() is storage:
+                if reads is not None:
+                    reads.add(made.op)
+                return ("storage", made.op, made.position)
+        return storage
 
     def alias(self, t: torch.Tensor, descriptor: Any) -> None:
         """``t`` stands for the value ``descriptor`` describes (at ``t``'s version now)."""

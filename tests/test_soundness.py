@@ -789,15 +789,27 @@ def _written_through_set_(x, w):
     return h.exp() * h
 
 
-@pytest.mark.parametrize("fn", [_written_through_data, _written_through_set_])
+def _written_through_set_storage(x, w):
+    h = x @ w
+    alias = torch.empty(0, dtype=h.dtype)
+    alias.set_(h.detach().untyped_storage(), h.storage_offset(), h.shape, h.stride())
+    alias.mul_(3)
+    return F.dropout(h.sin(), 0.3) * h  # values saved after the write
+
+
+@pytest.mark.parametrize(
+    "fn", [_written_through_data, _written_through_set_, _written_through_set_storage]
+)
 @pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
 def test_kept_value_written_through_an_alias_of_its_own(policy, fn):
     """A value a policy keeps, then written in place inside ``fn`` through an alias that
     does not share its version counter (``.data``, ``set_``): plain's outputs and gradients
     on every call. The kept value held the written values, and the recompute wrote them
-    again (a silent wrong gradient); it is not kept now."""
+    again (a silent wrong gradient); it is not kept now. A storage that ``set_`` reads is
+    described by the op that made its memory (the recompute's is another object)."""
 
     def run(wrap):
+        torch.manual_seed(3)
         x, w = _randn(0, 3, 4).requires_grad_(), _randn(1, 4, 4).requires_grad_()
         out = wrap(x, w)
         out.sum().backward()
