@@ -404,12 +404,26 @@ class Keeper:
         decision = as_decision(self.policy, self.policy(OpCall(func, (), {}, t, names)), func)
         self.kept.pop(index, None)
         self.offload.pop(index, None)
+        out = self._output(index, t)
         if (
-            index not in self.roots
+            out is not None
+            and index not in self.roots
             and op_info(func).kind == DECIDED
             and decision is not Decision.RECOMPUTE
         ):
-            self._apply(index, decision, t)
+            self._apply(index, decision, out)
+
+    def _output(self, index: int, t: torch.Tensor) -> Any:
+        """Op ``index``'s whole output, of which ``t`` is one: all of them (batch norm in
+        evaluation, ``max`` along a dimension), if all are alive; a replay returns them."""
+        layouts = self.program.layouts if self.program is not None else self.layouts
+        layout = layouts[index]
+        if isinstance(layout, Shape):
+            return t
+        assert self.provenance is not None
+        found = {m.position: m.ref() for m in self.provenance.made.values() if m.op == index}
+        outputs = [found.get(position) for position in range(len(layout))]
+        return None if any(o is None for o in outputs) else type(layout)(outputs)
 
     def _apply(self, index: int, decision: Decision, out: Any) -> None:
         # An in-place step's write counts once it returns.

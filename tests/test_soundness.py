@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat import RecomputeError, policies, remat
+from remat import RecomputeError, name, policies, remat
 from tests.helpers import POLICIES as EVERY_POLICY
 from tests.helpers import assert_tree_equal, each_device
 
@@ -845,6 +845,44 @@ def test_function_mode_around_the_call_is_replayed(policy):
     f = remat(fn, policy=policy)
     for _ in range(2):
         assert_tree_equal(grad(f), grad(fn))
+
+
+class _NamedNorm(nn.Module):
+    """Names batch norm's output, one of its kernel's three (in evaluation too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4).double(), nn.BatchNorm1d(4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return name(self.bn(self.lin(x)), "h").sin()
+
+
+def _named_maximum(x: torch.Tensor) -> torch.Tensor:
+    return name(torch.max(x.exp(), dim=0).values, "h").sin()  # `max` has two outputs
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["evaluation", "training"])
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_named_output_of_an_op_with_several(policy, training):
+    """``remat.name`` on one output of an op that has several: a policy that keeps it keeps
+    them all (a replay gave back the named one alone, and torch raised: "Object of type
+    'Tensor' is not an instance of 'sequence'"). Plain's gradients, on every call."""
+    torch.manual_seed(0)
+    model = _NamedNorm().train(training)
+    plain = copy.deepcopy(model)
+    f = remat(model, policy=policy)
+    for step in range(3):
+        x = _randn(step, 5, 4).requires_grad_()
+        got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
+        expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
+        assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
+    x = _randn(9, 5, 4).requires_grad_()
+    g = remat(_named_maximum, policy=policy)
+    for _ in range(2):
+        assert_tree_equal(
+            torch.autograd.grad(g(x).sum(), x), torch.autograd.grad(_named_maximum(x).sum(), x)
+        )
 
 
 def _sin_cos(a: torch.Tensor) -> torch.Tensor:
