@@ -339,3 +339,77 @@ def test_nested_per_op_regions_with_dropout_in_both_raise(inner, outer) -> None:
             torch.autograd.grad(g(x).sum(), x)
         return
     assert torch.equal(torch.autograd.grad(g(x).sum(), x)[0], expected)
+
+
+def test_thread_started_between_forward_and_backward_can_change_random_numbers(tmp_path) -> None:
+    """Nested regions, random numbers and an ``autograd.grad`` inside ``fn`` (found by
+    `make fuzz`): a thread started between the forward and the backward moves the
+    recompute to remat's dispatch mode, and it draws other numbers than the forward. Run
+    in a process of its own: pytest's workers keep threads alive."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).parent.parent)  # for `tests`, after the installed remat
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.append({root!r})" + _THREAD_STARTED_IN_BACKWARD,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"], STALE
+
+
+_THREAD_STARTED_IN_BACKWARD = """
+import threading
+import torch
+from remat import remat
+from tests.helpers import Block, Case, Op, Program, TensorSpec, identity, loss_of
+
+case = Case(
+    (TensorSpec((4, 4), 3411, "leaf"),),
+    {},
+    Program(
+        4,
+        (
+            Op("matmul2", (0, 0)),
+            Op("exp", (0,)),
+            Block((2, 2), (Op("exp", (1,)),)),
+            Block((1,), (Op("softmax", (0,), 1), Op("random", (1,), "rand_like"),
+                         Op("inner_grad", (2,), False))),
+            Block((4,), (Op("softmax", (0,), 0), Op("matmul", (1,), "wt"))),
+        ),
+        out="mirror",
+        seed=989,
+    ),
+)
+
+
+def grads(outer, inner, thread):
+    inst = case.make(outer, inner, "cpu")
+    torch.manual_seed(989)
+    loss = loss_of(inst())
+    stop = threading.Event()
+    alive = threading.Thread(target=stop.wait)
+    if thread:
+        alive.start()
+    loss.backward()
+    stop.set()
+    if thread:
+        alive.join()
+    return [t.grad for t in inst.targets]
+
+
+def same(a, b):
+    return all(x is y or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b, strict=True))
+
+
+expected = grads(identity, identity, False)
+print(same(grads(remat, remat, False), expected), same(grads(remat, remat, True), expected))
+"""
