@@ -30,6 +30,7 @@ from ._provenance import (
     unwrapped,
     written,
 )
+from ._rng import placeholder_maps
 
 __all__ = ["Passed", "Replayer", "Restart"]
 
@@ -75,6 +76,7 @@ class Replayer:
             self.handles.setdefault(keeper.described[handle], []).append(handle)
         # id -> (the placeholder, kept alive so its id stays its own; the real device)
         self.placeholders: dict[int, tuple[torch.Tensor, torch.device]] = {}
+        placeholder_maps().append(self.placeholders)  # for a nested region's random ops
         self.diverged = self.restart = False
         self.last: Any = None
         # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
@@ -207,6 +209,9 @@ class Replayer:
         cannot see, which kept every block's recomputed graph alive (one per region).
         """
         self.placeholders.clear()
+        maps = placeholder_maps()
+        if any(m is self.placeholders for m in maps):
+            maps.remove(self.placeholders)
 
     def made_here(self, t: torch.Tensor) -> bool:
         """Whether an op of this recompute made ``t`` (or it stands for something, as a

@@ -18,7 +18,9 @@ two ways:
   generator and gives the caller's state back when it ends; when other threads
   are alive by then, it replays on private clones instead (under the mode).
 
-Either way the caller's generators end where plain autograd leaves them.
+Either way the caller's generators end where plain autograd leaves them. A nested
+region's recompute inside this region's forward or recompute replays its own numbers:
+this region's capture and replay let its random ops pass (`_enter_recompute`).
 Threads that draw outside remat regions are not synchronized with: one that
 draws while a region's random op runs may draw the same numbers.
 """
@@ -34,7 +36,15 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
 
-__all__ = ["GeneratorWatch", "RngCapture", "RngLend", "RngReplay", "is_random", "threaded"]
+__all__ = [
+    "GeneratorWatch",
+    "RngCapture",
+    "RngLend",
+    "RngReplay",
+    "is_random",
+    "placeholder_maps",
+    "threaded",
+]
 
 _local = threading.local()
 # Held while a region's random op draws: regions in other threads wait, not interleave.
@@ -59,12 +69,25 @@ def is_random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
+def placeholder_maps() -> list[dict[int, tuple[torch.Tensor, torch.device]]]:
+    """This thread's per-op recomputes' placeholders: id -> (placeholder, real device).
+
+    An outer region's placeholder (a meta tensor) may reach a random op of a nested
+    region's recompute, as ``rand_like``'s layout: the op draws on the real device.
+    """
+    return _local.__dict__.setdefault("placeholders", [])
+
+
 def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
         return torch.device(device)
     for arg in args:
         if isinstance(arg, torch.Tensor):
+            if arg.device.type == "meta":
+                for placeholders in placeholder_maps():
+                    if id(arg) in placeholders:
+                        return placeholders[id(arg)][1]
             return arg.device
     return torch.get_default_device()
 
@@ -133,6 +156,23 @@ def _replaying(generator: torch.Generator) -> tuple[RngReplay, torch.Generator] 
     return None
 
 
+def _recomputes() -> int:
+    """How many recomputes are running on this thread, nested (`RngReplay`, `RngLend`)."""
+    return len(getattr(_local, "recomputes", ()))
+
+
+def _enter_recompute(recompute: object) -> int:
+    """Note that ``recompute`` runs; its depth. Random ops deeper than a capture's or a
+    replay's own are a nested region's recompute, which draws on its own: they pass."""
+    stack = _local.__dict__.setdefault("recomputes", [])
+    stack.append(recompute)
+    return len(stack)
+
+
+def _exit_recompute() -> None:
+    _local.recomputes.pop()
+
+
 def _default_generators() -> list[torch.Generator]:
     generators = [torch.default_generator]
     if torch.cuda.is_initialized():
@@ -187,9 +227,12 @@ def _draw(func: Any, args: Any, kwargs: Any, generator: torch.Generator, private
 class RngCapture:
     """Generator states a region consumed, as values."""
 
-    __slots__ = ("cuda_ready", "draws", "snapshot", "states")
+    __slots__ = ("cuda_ready", "depth", "draws", "snapshot", "states")
 
     def __init__(self) -> None:
+        # A nested region's recompute inside this forward (an ``autograd.grad`` in ``fn``)
+        # replays the nested region's numbers: its draws are not this region's.
+        self.depth = _recomputes()
         self.states: dict[torch.Generator, torch.Tensor] = {}  # the first state drawn from
         self.draws: dict[torch.Generator, list[torch.Tensor]] = {}  # per random op (mode)
         self.snapshot: list[tuple[torch.Generator, torch.Tensor]] = []
@@ -198,7 +241,7 @@ class RngCapture:
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Under a dispatch mode: run a random op on a private generator, keeping its state."""
         generator = _op_generator(args, kwargs)
-        if generator is None:
+        if generator is None or _recomputes() > self.depth:
             return func(*args, **kwargs)
         replaying = _replaying(generator)
         if replaying is not None:  # inside a recompute, whose replay draws this op
@@ -267,16 +310,19 @@ class RngLend:
         self.caller: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> RngLend:
+        # To the generators themselves, also inside an outer region's recompute: the
+        # outer's replay lets this one's random ops pass (`_enter_recompute`).
+        _enter_recompute(self)
         for generator, state in self.states.items():
-            active = _active(generator)
-            self.caller.append((active, active.get_state()))
-            active.set_state(state)
+            self.caller.append((generator, generator.get_state()))
+            generator.set_state(state)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for generator, state in reversed(self.caller):
             generator.set_state(state)
         self.caller = []
+        _exit_recompute()
 
 
 class GeneratorWatch(TorchFunctionMode):
@@ -317,7 +363,7 @@ class RngReplay:
     otherwise draws on from where the forward started.
     """
 
-    __slots__ = ("clones", "draws", "per_op")
+    __slots__ = ("clones", "depth", "draws", "per_op")
 
     def __init__(
         self,
@@ -330,14 +376,15 @@ class RngReplay:
         # Without per-op capture, a default generator the forward left unchanged is one
         # its random ops did not draw from (dropout with p=0 is tagged random too).
         self.per_op = per_op
+        self.depth = 0
 
     def __enter__(self) -> RngReplay:
-        if not hasattr(_local, "replays"):
-            _local.replays = []
-        _local.replays.append(self)
+        _local.__dict__.setdefault("replays", []).append(self)
+        self.depth = _enter_recompute(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _exit_recompute()
         _local.replays.pop()
 
     def next_state(self, clone: torch.Generator) -> torch.Tensor:
@@ -348,6 +395,8 @@ class RngReplay:
     def skip(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Leave out random op ``func``'s draw, if the forward kept the state of each op
         of its generator (the next op then starts from its own); else False."""
+        if _recomputes() > self.depth:  # a nested region's recompute: it runs
+            return False
         generator = _op_generator(args, kwargs)
         clone = _find(self.clones, generator) if generator is not None else None
         states = self.draws.get(clone) if clone is not None else None
@@ -358,7 +407,7 @@ class RngReplay:
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         generator = _op_generator(args, kwargs)
-        if generator is None:
+        if generator is None or _recomputes() > self.depth:
             return func(*args, **kwargs)
         clone = _find(self.clones, generator)
         if clone is None and "generator" in kwargs and _fresh(generator):

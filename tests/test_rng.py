@@ -451,3 +451,95 @@ def test_op_tagged_random_that_draws_nothing_with_a_thread_alive_at_backward():
     expected = run(attend)
     torch.manual_seed(0)
     _assert_same(run(remat(attend)), expected)
+
+
+def test_nested_recomputes_replay_with_threads_started_or_stopped_between(tmp_path):
+    """Regions in a region, one with random numbers and an ``autograd.grad`` inside
+    (its recompute runs inside the forward and inside the outer recompute): plain's
+    outputs, gradients and generator state over two steps, under pairs of policies,
+    with an idle thread alive at neither pass, the forward, the backward or both (found
+    by `make fuzz`: a thread started by the backward gave another gradient). Run in a
+    process of its own, as pytest's workers keep threads alive."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _NESTED_THREADS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 * 9, result.stdout
+    assert [line for line in lines if not line.endswith("True")] == []
+
+
+_NESTED_THREADS = """
+import itertools, threading
+import torch
+from remat import policies, remat
+
+w = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+
+
+def first(h):
+    return h.exp().exp()
+
+
+def drawn(h):
+    s = h.softmax(1)
+    r = (torch.rand_like(s) + 1) * s
+    k = r + w
+    return sum(torch.autograd.grad(k.tanh().pow(3).sum(), [k, r])) * k
+
+
+def last(h):
+    return h.softmax(0) @ w.t()
+
+
+def program(wrap):
+    blocks = [wrap(first, 1), wrap(drawn, 1), wrap(last, 1)]
+
+    def f(x):
+        h = (x @ x).exp()
+        for block in blocks:
+            h = block(h)
+        return h
+
+    return wrap(f, 0)
+
+
+def run(f, alive):
+    torch.manual_seed(989)
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+    results = []
+    for _ in range(2):
+        stop = threading.Event()
+        idle = threading.Thread(target=stop.wait)
+        if alive in ("forward", "both"):
+            idle.start()
+        y = f(x)
+        if alive == "forward":
+            stop.set()
+            idle.join()
+        elif alive == "backward":
+            idle.start()
+        y.sum().backward()
+        stop.set()
+        if idle.is_alive():
+            idle.join()
+        results += [y.detach(), x.grad, w.grad, torch.get_rng_state()]
+        x.grad = w.grad = None
+    return results
+
+
+kinds = ["save_nothing", "save_matmuls", policies.save_all_but_names("h")]
+for alive in ("neither", "forward", "backward", "both"):
+    expected = run(program(lambda fn, level: fn), alive)
+    for pair in itertools.product(kinds, kinds):
+        got = run(program(lambda fn, level: remat(fn, policy=pair[level])), alive)
+        same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        print(alive, *pair, same)
+"""
