@@ -70,9 +70,10 @@ class _Learned:
         self.updated: set[str] = set()  # names of its tensors a forward updated in place
         # Its batch norm statistics that an op besides batch norm read (`_write_only`).
         self.read: set[str] = set()
-        # For an owner: the objects its forwards reached that remat does not look into
-        # (`Reached.opaque`), by identity, in the calls it watched.
-        self.seen: set[tuple[int, ...]] = set()
+        # For an owner: the calls it watched, each by its arguments' tree structure (inputs
+        # are learned by leaf position) and the objects it reached that remat does not
+        # look into (`Reached.opaque`, by identity).
+        self.seen: set[tuple[Any, tuple[int, ...]]] = set()
         # For an owner: the ops its forwards ran, per policy and input layouts (`_keep`).
         self.programs: dict[Any, Any] = {}
 
@@ -366,8 +367,8 @@ class ModuleState:
         "learners",
         "loose",
         "lost",
-        "opaque",
         "scratch",
+        "seen_as",
         "settled",
         "sharded",
         "slots",
@@ -394,7 +395,7 @@ class ModuleState:
         # learns from it, the slots' memory at entry, and the slots it wrote (`before_write`).
         self.watching = False
         self.learners: list[Any] = []
-        self.opaque: tuple[Any, tuple[int, ...]] | None = None  # (owner, `Reached.opaque`)
+        self.seen_as: tuple[Any, Any] | None = None  # (owner, its key in `_Learned.seen`)
         self.before: dict[int, torch.Tensor] = {}
         self.taken: set[int] = set()
         self.settled = False  # the forward ended
@@ -404,22 +405,25 @@ class ModuleState:
 
     @classmethod
     def capture(
-        cls, owner: Any, reached: Reached, inputs: list[torch.Tensor]
+        cls, owner: Any, reached: Reached, leaves: list[Any], structure: Any
     ) -> ModuleState | None:
         """The state of a region about to run: slots, and snapshots of what it updates.
 
         A slot is snapshotted at entry once a forward was seen to update it. A forward is
         watched instead (`before_write`), so nothing is copied that it does not write, and
         its recompute is guarded (`WriteGuard`), when it is the first of a module, or of
-        the owner, in its training mode, or the first of the owner to reach the objects it
-        reaches whose attributes remat does not search (`Reached.opaque`).
+        the owner, in its training mode, or the first of the owner with arguments of this
+        tree ``structure`` (the leaves' positions name its inputs) that reaches the objects
+        it reaches whose attributes remat does not search (`Reached.opaque`).
         """
         state = cls()
         learned = _learned(owner)
-        opaque = tuple(reached.opaque)
-        inputs_updated = learned.updated if learned is not None else None
-        for i, x in enumerate(inputs):
-            if x.requires_grad:
+        key = (structure, tuple(reached.opaque))
+        seen = learned is not None and key in learned.seen
+        # Unseen: every input is watched, as its positions may show other tensors now.
+        inputs_updated = learned.updated if seen and learned is not None else None
+        for i, x in enumerate(leaves):
+            if not isinstance(x, torch.Tensor) or x.requires_grad:
                 continue
             name = f"input {i}"
             if inputs_updated is not None and name not in inputs_updated:
@@ -428,7 +432,7 @@ class ModuleState:
                 if inputs_updated is not None:
                     state.snapshots[len(state.slots)] = x.detach().clone()
                 state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
-        unlearned = [] if learned is not None and opaque in learned.seen else [owner]
+        unlearned = [] if seen else [owner]
         submodules = _submodules(reached.modules)
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
@@ -460,10 +464,10 @@ class ModuleState:
                         candidates.append(len(slots))
                     slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
         if reached.tensors:
-            known = {id(slot.tensor) for slot in slots}.union(map(id, inputs))
+            known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
         if unlearned:
-            state.watching, state.learners, state.opaque = True, unlearned, (owner, opaque)
+            state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
             state.statistics = {_memory(slots[i].tensor): i for i in candidates}
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
                 state.before = {
@@ -534,12 +538,12 @@ class ModuleState:
                 self.lost.append(slot)
         for learner in self.learners:
             _learning(learner)
-        if self.opaque is not None:
-            owner, opaque = self.opaque
+        if self.seen_as is not None:
+            owner, key = self.seen_as
             seen = _learning(owner).seen
             if len(seen) > 64:  # an owner that reaches new objects at every call
                 seen.clear()
-            seen.add(opaque)
+            seen.add(key)
         self.before, self.taken = {}, set()
         self.written = [t for t, version in self.loose if t._version != version]
         self.loose = [(t, t._version) for t, _ in self.loose]

@@ -129,7 +129,8 @@ def remat(
             return fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # Dynamo traces the region into its graph
             return traced(fn, args, kwargs, resolved, preserve_rng)
-        leaves: list[Any] = optree.tree_leaves(
+        leaves: list[Any]
+        leaves, structure = optree.tree_flatten(
             (args, kwargs),  # type: ignore[arg-type]
             none_is_leaf=True,
             namespace=namespace,
@@ -137,7 +138,7 @@ def remat(
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         reached = reachable(fn, leaves)
         owner = owner_of(fn, args[0] if args else None)
-        modules = ModuleState.capture(owner, reached, inputs)
+        modules = ModuleState.capture(owner, reached, leaves, structure)
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []

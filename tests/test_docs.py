@@ -288,30 +288,6 @@ def test_known_false_alarms_of_per_op_policies(fn):
         torch.autograd.grad(rematerialize(fn, policy="save_matmuls")(x).sum(), x)
 
 
-def _normalized(x: torch.Tensor, scale: Any, mean: torch.Tensor, var: torch.Tensor):
-    return torch.nn.functional.batch_norm(x * scale, mean, var, training=True).tanh().sum()
-
-
-@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_statistic_passed_at_another_position_is_not_learned(policy):
-    """Running statistics passed as arguments, learned per position: a later call that
-    passes them at other positions (a tensor argument before them where the first calls
-    passed a number) updates one a second time in its recompute (the default policy), or
-    raises (a per-op policy)."""
-    stats = {"plain": (torch.zeros(3), torch.ones(3)), "remat": (torch.zeros(3), torch.ones(3))}
-    f = rematerialize(_normalized, policy=policy)
-    for scale in (2.0, 2.0, torch.tensor(2.0)):
-        x = torch.linspace(-1, 1, 18).view(6, 3).requires_grad_()
-        _normalized(x, scale, *stats["plain"]).backward()
-        out = f(x, scale, *stats["remat"])
-        if isinstance(scale, torch.Tensor) and policy != "save_nothing":
-            with pytest.raises(remat.RecomputeError):
-                out.backward()
-            return
-        out.backward()
-    assert not torch.equal(stats["plain"][1], stats["remat"][1]), STALE
-
-
 def _dropout_pair(h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h.tanh(), torch.nn.functional.dropout(h, 0.3)], 0)
 

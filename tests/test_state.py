@@ -550,3 +550,43 @@ def test_apply_learns_per_instance_what_a_forward_updates():
         return history
 
     assert_tree_equal(run(remat.apply), run(lambda m: m))
+
+
+def _normalized(x: Any, scale: Any, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.batch_norm(x * scale, mean, var, training=True).tanh().sum()
+
+
+@each_policy
+@pytest.mark.parametrize("change", ["number_to_tensor", "argument_added"])
+def test_statistics_passed_at_other_positions_in_later_calls(policy, change):
+    """Running statistics passed as arguments (batch norm writes them with no version bump):
+    a later call that passes a tensor before them where earlier calls passed a number, or
+    one more tensor argument, is watched again: the default policy's recompute does not
+    update them a second time, nor does a per-op policy's raise. Inputs are learned by
+    leaf position, per tree structure."""
+
+    def calls() -> Any:
+        x = torch.linspace(-1, 1, 18, dtype=DTYPE).view(6, 3)
+        for step in range(4):
+            if step < 2:
+                yield (x + step, 2.0)
+            elif change == "number_to_tensor":
+                yield (x + step, torch.tensor(2.0, dtype=DTYPE))
+            else:
+                yield ((x + step, torch.tensor(0.5, dtype=DTYPE)), 2.0)
+
+    def run(fn: Callable[..., Any]) -> Any:
+        mean, var = torch.zeros(3, dtype=DTYPE), torch.ones(3, dtype=DTYPE)
+        results = []
+        for x, scale in calls():
+            leaf = (x[0] if isinstance(x, tuple) else x).clone().requires_grad_()
+            arg = (leaf, x[1]) if isinstance(x, tuple) else leaf
+            out = fn(arg, scale, mean, var)
+            out.backward()
+            results += [out.detach(), leaf.grad, mean.clone(), var.clone()]
+        return results
+
+    def plain(x: Any, scale: Any, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return _normalized(x[0] * x[1] if isinstance(x, tuple) else x, scale, mean, var)
+
+    assert_tree_equal(run(remat.remat(plain, policy=policy)), run(plain))
