@@ -52,6 +52,28 @@ def another_thread_alive() -> Any:
         idle.join()
 
 
+def step_with_idle_thread(f: Callable[..., Any], x: torch.Tensor, alive: str) -> torch.Tensor:
+    """``y = f(x)`` and ``y.sum().backward()``, with an idle thread alive at the "forward",
+    the "backward", "both" or "neither"; returns ``y``."""
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait)
+    try:
+        if alive in ("forward", "both"):
+            idle.start()
+        y = f(x)
+        if alive == "forward":
+            stop.set()
+            idle.join()
+        elif alive == "backward":
+            idle.start()
+        y.sum().backward()
+    finally:
+        stop.set()
+        if idle.is_alive():
+            idle.join()
+    return y
+
+
 DTYPE = torch.float64
 NAMESPACE = "remat-tests"
 # The devices the corpora run on (tests take them with `each_device`). A CUDA one is a CUDA

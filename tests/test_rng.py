@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ from torch.func import grad, vmap
 from tqdm import _monitor as tqdm_monitor
 
 from remat import RecomputeError, policies, remat
-from tests.helpers import another_thread_alive, each_device, global_rng_states
+from tests.helpers import (
+    another_thread_alive,
+    each_device,
+    global_rng_states,
+    step_with_idle_thread,
+)
 
 F = torch.nn.functional
 GEN_A = torch.Generator().manual_seed(11)
@@ -405,24 +411,9 @@ def test_other_threads_alive_switch_to_per_op_capture_bitwise(alive):
         return F.dropout(x.sin(), 0.5).exp() * torch.rand_like(x)
 
     def run(g):
-        stop = threading.Event()
-        idle = threading.Thread(target=stop.wait)
         torch.manual_seed(0)
         x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
-        try:
-            if alive in ("forward", "both"):
-                idle.start()
-            y = g(x)
-            if alive == "forward":
-                stop.set()
-                idle.join()
-            elif alive == "backward":
-                idle.start()
-            y.sum().backward()
-        finally:
-            stop.set()
-            if idle.is_alive():
-                idle.join()
+        y = step_with_idle_thread(g, x, alive)
         return y.detach(), x.grad, _states()
 
     _assert_same(run(f), run(remat(f)))
@@ -463,8 +454,9 @@ def test_nested_recomputes_replay_with_threads_started_or_stopped_between(tmp_pa
     import subprocess
     import sys
 
+    root = str(Path(__file__).parent.parent)  # for `tests`, after the installed remat
     result = subprocess.run(
-        [sys.executable, "-c", _NESTED_THREADS],
+        [sys.executable, "-c", f"import sys; sys.path.append({root!r})" + _NESTED_THREADS],
         capture_output=True,
         text=True,
         timeout=300,
@@ -477,9 +469,10 @@ def test_nested_recomputes_replay_with_threads_started_or_stopped_between(tmp_pa
 
 
 _NESTED_THREADS = """
-import itertools, threading
+import itertools
 import torch
 from remat import policies, remat
+from tests.helpers import step_with_idle_thread
 
 w = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
 
@@ -516,20 +509,7 @@ def run(f, alive):
     x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
     results = []
     for _ in range(2):
-        stop = threading.Event()
-        idle = threading.Thread(target=stop.wait)
-        if alive in ("forward", "both"):
-            idle.start()
-        y = f(x)
-        if alive == "forward":
-            stop.set()
-            idle.join()
-        elif alive == "backward":
-            idle.start()
-        y.sum().backward()
-        stop.set()
-        if idle.is_alive():
-            idle.join()
+        y = step_with_idle_thread(f, x, alive)
         results += [y.detach(), x.grad, w.grad, torch.get_rng_state()]
         x.grad = w.grad = None
     return results
