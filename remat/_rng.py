@@ -148,8 +148,11 @@ def _standing_for(generator: torch.Generator) -> torch.Generator | None:
 
 
 def _replaying(generator: torch.Generator) -> tuple[RngReplay, torch.Generator] | None:
-    """The innermost recompute replaying ``generator`` on this thread, and its clone."""
-    for replay in reversed(getattr(_local, "replays", ())):
+    """The recompute replaying ``generator`` on this thread, and its clone: the innermost
+    recompute, if it replays (those around it let its random ops pass)."""
+    recomputes = getattr(_local, "recomputes", ())
+    replay = recomputes[-1] if recomputes else None
+    if isinstance(replay, RngReplay):
         clone = _find(replay.clones, generator)
         if clone is not None:
             return replay, clone
@@ -379,13 +382,11 @@ class RngReplay:
         self.depth = 0
 
     def __enter__(self) -> RngReplay:
-        _local.__dict__.setdefault("replays", []).append(self)
         self.depth = _enter_recompute(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _exit_recompute()
-        _local.replays.pop()
 
     def next_state(self, clone: torch.Generator) -> torch.Tensor:
         """The state ``clone`` draws the next random op from."""

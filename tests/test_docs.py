@@ -288,6 +288,37 @@ def test_known_false_alarms_of_per_op_policies(fn):
         torch.autograd.grad(rematerialize(fn, policy="save_matmuls")(x).sum(), x)
 
 
+def _grad_of_own_input(h: torch.Tensor) -> torch.Tensor:
+    k = h.sin() @ h.t()
+    return (torch.autograd.grad(k.sum(), [h], create_graph=True)[0] + k).cos()
+
+
+def _grad_of_a_value_made_from_it(h: torch.Tensor) -> torch.Tensor:
+    return _grad_of_own_input(h + 0)
+
+
+@pytest.mark.parametrize("outer", ["save_nothing", "save_matmuls"])
+def test_nested_region_taking_the_grad_of_its_own_input_raises(outer):
+    """A nested region whose ``fn`` calls ``autograd.grad`` with ``create_graph=True`` on
+    its own input: the outer region's recompute raises (plain runs); unnested, it runs."""
+    inner = rematerialize(_grad_of_own_input)
+
+    def program(region: Any) -> Any:
+        return lambda x: region(x.exp()).sum()
+
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+    expected = torch.autograd.grad(program(_grad_of_own_input)(x), x)[0]
+    assert torch.equal(
+        torch.autograd.grad(rematerialize(program(_grad_of_own_input))(x), x)[0], expected
+    )
+    assert torch.equal(torch.autograd.grad(program(inner)(x), x)[0], expected)
+    with pytest.raises(remat.RecomputeError):
+        torch.autograd.grad(rematerialize(program(inner), policy=outer)(x), x)
+    made = rematerialize(_grad_of_a_value_made_from_it)
+    got = torch.autograd.grad(rematerialize(program(made), policy=outer)(x), x)[0]
+    assert torch.equal(got, expected)
+
+
 def _dropout_pair(h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h.tanh(), torch.nn.functional.dropout(h, 0.3)], 0)
 
