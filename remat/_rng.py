@@ -35,6 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
+from ._torch_private import generator_identity
 
 __all__ = [
     "GeneratorWatch",
@@ -113,18 +114,14 @@ def _op_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Genera
 def _find(clones: dict[torch.Generator, torch.Generator], generator: torch.Generator) -> Any:
     """The clone of ``generator``, also when torch hands it over as another Python object.
 
-    A dispatch mode sees an explicit generator as a different wrapper of the same
-    generator; during a recompute the caller's generator is untouched, so the two
-    show the same device, seed and state.
+    A dispatch mode sees an explicit generator as another wrapper of the same C++
+    generator (two generators may well share seed and state).
     """
     clone = clones.get(generator)
     if clone is None:
+        identity = generator_identity(generator)
         for original, candidate in clones.items():
-            if (
-                original.device == generator.device
-                and original.initial_seed() == generator.initial_seed()
-                and torch.equal(original.get_state(), generator.get_state())
-            ):
+            if generator_identity(original) == identity:
                 clones[generator] = clone = candidate
                 break
     return clone

@@ -39,6 +39,7 @@ __all__ = [
     "graph_retained",
     "functorch_cleared",
     "functorch_interpreters",
+    "generator_identity",
     "is_dead_wrapper",
     "level_witness",
     "levels_popped",
@@ -590,6 +591,13 @@ def function_modes() -> list[Any]:
     from torch.overrides import _get_current_function_mode_stack
 
     return list(_get_current_function_mode_stack())
+
+
+def generator_identity(generator: torch.Generator) -> int:
+    """Which C++ generator ``generator`` wraps: a dispatch mode is handed an explicit
+    generator as another Python object, and two generators may share seed and state;
+    torch has no public identity for them."""
+    return int(generator._cdata)  # type: ignore[attr-defined]
 
 
 def subclass_functions(enabled: bool) -> contextlib.AbstractContextManager[Any]:

@@ -554,3 +554,28 @@ for program, alive in itertools.product((two_levels, three_levels), alive_at):
         same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
         print(program.__name__, alive, *pair, same)
 """
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_generators_with_the_same_seed_and_state_are_told_apart(policy):
+    """The default generator and an explicit one, both seeded 0, each drawn from once: the
+    recompute under the dispatch mode (a region's first call, a thread alive at the
+    backward) replays each on its own clone, not the first with that state."""
+
+    def fn(x, g):
+        return (x * torch.rand(4, 4, dtype=x.dtype)).sin() * (
+            x * torch.rand(4, 4, generator=g, dtype=x.dtype)
+        ).exp()
+
+    def run(f):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+        results = []
+        for _ in range(3):
+            y = step_with_idle_thread(lambda x: f(x, g), x, "backward")
+            results += [y.detach(), x.grad, torch.get_rng_state(), g.get_state()]
+            x.grad = None
+        return results
+
+    _assert_same(run(remat(fn, policy=policy)), run(fn))

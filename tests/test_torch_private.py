@@ -587,6 +587,28 @@ def test_subclass_functions_are_off_in_a_subclass_backward_and_turn_back_on():
     assert seen == [False, "Sub", "Tensor"]
 
 
+def test_generator_identity_names_the_generator_a_dispatch_mode_is_handed():
+    """A dispatch mode gets an explicit generator as another Python object; its identity is
+    the generator's, and differs from another generator's with the same seed and state."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    handed = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            handed.append((kwargs or {}).get("generator"))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(g.get_state(), torch.default_generator.get_state())
+    assert tp.generator_identity(g) != tp.generator_identity(torch.default_generator)
+    with Record():
+        torch.rand(2, generator=g)
+    assert handed[0] is not g
+    assert tp.generator_identity(handed[0]) == tp.generator_identity(g)
+
+
 def test_function_modes_reads_the_stack_outermost_first_and_none_in_backward_hooks():
     """`function_modes` lists the active torch function modes, outermost first; autograd
     runs saved-tensor hooks with none active (why remat enters the forward's)."""
