@@ -319,6 +319,42 @@ def test_nested_region_taking_the_grad_of_its_own_input_raises(outer):
     assert torch.equal(got, expected)
 
 
+class _Holder:  # not a module: remat does not look into it
+    def __init__(self) -> None:
+        self.generator = torch.Generator()
+
+
+_HOLDER = _Holder()
+
+
+def _draws_from_the_holder(x: torch.Tensor) -> torch.Tensor:
+    return (x * torch.rand(4, generator=_HOLDER.generator, dtype=x.dtype)).exp()
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_unseen_generator_reseeded_before_the_backward_passes_for_one_fn_made(policy):
+    """A generator remat cannot see, seeded again between the forward and the backward:
+    the default policy's recompute takes it for one ``fn`` made and seeded, and draws from
+    it with no error; a per-op policy captured its state in the forward."""
+
+    def run(f: Callable[..., Any]) -> Any:
+        _HOLDER.generator.manual_seed(3)
+        x = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True)
+        results = []
+        for _ in range(3):
+            y = f(x)
+            _HOLDER.generator.manual_seed(3)
+            y.sum().backward()
+            results += [y.detach(), x.grad.clone(), _HOLDER.generator.get_state()]
+            x.grad = None
+        return results
+
+    expected = run(_draws_from_the_holder)
+    got = run(rematerialize(_draws_from_the_holder, policy=policy))
+    same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert same == (policy != "save_nothing"), STALE
+
+
 def _dropout_pair(h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h.tanh(), torch.nn.functional.dropout(h, 0.3)], 0)
 
