@@ -305,6 +305,10 @@ class Provenance:
                     keys.append(self._key(arg, reads))
             else:
                 keys.append(self._key(arg, reads))
+        if kwargs and op.random and "generator" in kwargs:
+            # Which generator draws is the RNG replay's to check: a nested region's forward
+            # draws on a private one (`RngCapture.call`), inside a recompute on none.
+            kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
         return (op, tuple(keys), self._key(kwargs, reads) if kwargs else ())
 
     def _key(self, value: Any, reads: set[int] | None) -> Any:

@@ -353,32 +353,3 @@ def test_unseen_generator_reseeded_before_the_backward_passes_for_one_fn_made(po
     got = run(rematerialize(_draws_from_the_holder, policy=policy))
     same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert same == (policy != "save_nothing"), STALE
-
-
-def _dropout_pair(h: torch.Tensor) -> torch.Tensor:
-    return torch.cat([h.tanh(), torch.nn.functional.dropout(h, 0.3)], 0)
-
-
-@pytest.mark.parametrize(
-    ("inner", "outer"),
-    [
-        ("save_matmuls", "save_matmuls"),
-        ("save_nothing", "save_matmuls"),
-        ("save_matmuls", "save_nothing"),
-    ],
-)
-def test_nested_per_op_regions_with_dropout_in_both_raise(inner, outer) -> None:
-    """Two nested `save_matmuls` regions, each with dropout next to a value it reads
-    otherwise: the outer recompute raises; with either region under `save_nothing`,
-    plain's gradient."""
-    f = rematerialize(_dropout_pair, policy=inner)
-    g = rematerialize(lambda x: _dropout_pair(f(x.sin())), policy=outer)
-    x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
-    torch.manual_seed(0)
-    expected = torch.autograd.grad(_dropout_pair(_dropout_pair(x.sin())).sum(), x)[0]
-    torch.manual_seed(0)
-    if inner == outer:
-        with pytest.raises(remat.RecomputeError, match="never rebuilt"):
-            torch.autograd.grad(g(x).sum(), x)
-        return
-    assert torch.equal(torch.autograd.grad(g(x).sum(), x)[0], expected)

@@ -579,3 +579,52 @@ def test_generators_with_the_same_seed_and_state_are_told_apart(policy):
         return results
 
     _assert_same(run(remat(fn, policy=policy)), run(fn))
+
+
+def _dropout_pair(h):
+    return torch.cat([h.tanh(), F.dropout(h, 0.3)], 0)
+
+
+def _drawn_in_place(h):
+    return (h * torch.empty_like(h).uniform_()).exp()
+
+
+@pytest.mark.parametrize("inner", ["save_nothing", "save_matmuls", "save_all_but_names"])
+@pytest.mark.parametrize("outer", ["save_nothing", "save_matmuls", "save_all_but_names"])
+@pytest.mark.parametrize("kind", ["dropout_in_both", "grad_of_the_inner_output"])
+def test_nested_regions_with_random_ops_in_both(kind, outer, inner):
+    """A region inside a region, random ops in both (dropout, which draws with an in-place
+    op on CPU, or an in-place ``uniform_``), and, in the second kind, an ``autograd.grad``
+    in the outer region of the inner one's output: plain's results over two steps. A
+    nested forward draws on a private generator, its recompute on none: the signatures
+    leave the generator to the RNG replay (both raised under per-op policies before)."""
+    kinds = {"save_all_but_names": policies.save_all_but_names("h")}
+
+    def program(wrap):
+        if kind == "dropout_in_both":
+            region = wrap(_dropout_pair, inner)
+            return wrap(lambda x: _dropout_pair(region(x.sin())) * torch.rand_like(x[:1]), outer)
+        region = wrap(_drawn_in_place, inner)
+
+        def f(x):
+            h = (x @ x.t()).tanh()
+            k = region(h)
+            return torch.autograd.grad(k.sin().sum(), [h], create_graph=True)[0] + k
+
+        return wrap(f, outer)
+
+    def run(f):
+        torch.manual_seed(0)
+        x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+        results = []
+        for _ in range(2):
+            y = f(x)
+            y.sum().backward()
+            results += [y.detach(), x.grad, torch.get_rng_state()]
+            x.grad = None
+        return results
+
+    expected = run(program(lambda fn, policy: fn))
+    _assert_same(
+        run(program(lambda fn, policy: remat(fn, policy=kinds.get(policy, policy)))), expected
+    )
