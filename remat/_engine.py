@@ -141,11 +141,13 @@ def _frees_graph() -> bool:
 class _Outer:
     """An inner region's input, handed to the region around it (as autograd would)."""
 
-    __slots__ = ("packed", "requires_grad", "unpack")
+    __slots__ = ("packed", "producer", "requires_grad", "unpack")
 
     def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], t: Any) -> None:
         self.packed, self.unpack = pack(t), unpack
         self.requires_grad = t.requires_grad
+        # What made it: a recompute gets it back as a leaf (`_RecomputePack._input_again`).
+        self.producer = None if t.grad_fn is None else type(t.grad_fn)
 
     def get(self) -> torch.Tensor:
         """The value, requiring grad as it did in the forward, for a recompute to record."""
@@ -337,7 +339,9 @@ class _Setting:
         call: Any,
         tensors: list[torch.Tensor],
         region: Region,
-        make_pack: Callable[[Replayer | None, bool, list[TraceEntry] | None], _RecomputePack],
+        make_pack: Callable[
+            [list[torch.Tensor], Replayer | None, bool, list[TraceEntry] | None], _RecomputePack
+        ],
     ) -> tuple[Any, _RecomputePack]:
         """Enter the forward's setting for one recompute; the call to make, and its pack."""
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
@@ -361,7 +365,7 @@ class _Setting:
             for original, twin in replant.twins if replant is not None else ():
                 if twin is not original:
                     replayer.stand_in(twin, original, original._version)
-        pack = make_pack(replayer, replant is None, trace)
+        pack = make_pack(tensors, replayer, replant is None, trace)
         if replayer is not None:
             stack.callback(pack.finish)  # once the dispatch mode below has exited
         running = _Running(None, pack, pack.unpack, under_transforms=False)
@@ -828,11 +832,13 @@ class _RecomputePack:
         self,
         region: Region,
         needed: set[int],
+        inputs: list[torch.Tensor],
         replayer: Replayer | None,
         producers: bool,
         trace: list[TraceEntry] | None,
     ) -> None:
         self.region, self.trace, self.replayer = region, trace, replayer
+        self.inputs = inputs  # the recompute's, as ``fn`` gets them
         self.needed, self.remaining = needed, len(needed)
         self.producers = producers and replayer is None
         self.values: dict[int, Any] = {}
@@ -920,7 +926,7 @@ class _RecomputePack:
                 f"the extra one is {_describe(meta)}. `fn` must run the same ops each time it "
                 "is called." + self.diff()
             )
-        if not _same(meta, forward[i], self.producers):
+        if not _same(meta, forward[i], self.producers) and not self._input_again(t, forward[i]):
             raise RecomputeError(
                 f"`remat`: the recompute diverged from the forward at saved value #{i}. "
                 f"Forward: {_describe(forward[i])}. Recompute: {_describe(meta)}. `fn` must run "
@@ -928,6 +934,27 @@ class _RecomputePack:
                 "`remat.debug()` to see both op sequences, or pass `check='none'` to skip "
                 "this comparison." + self.diff()
             )
+
+    def _input_again(self, t: torch.Tensor, forward: _Meta) -> bool:
+        """Whether ``t`` is an input the region around handed over (a leaf here), that
+        autograd unpacked inside ``fn`` (an ``autograd.grad``) and that something saved
+        again: the forward's had the input's producer then."""
+        if t.grad_fn is not None or not _same(_meta(t), forward, False):
+            return False
+        leaves: list[Any] = optree.tree_leaves(
+            self.region.call, none_is_leaf=True, namespace=self.region.namespace
+        )
+        originals = [x for x in leaves if isinstance(x, (torch.Tensor, _Outer, _Weak))]
+        for original, given in zip(originals, self.inputs, strict=True):
+            if (
+                type(original) is _Outer
+                and original.producer is forward[3]
+                and t.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+                and t.storage_offset() == given.storage_offset()
+                and t.stride() == given.stride()
+            ):
+                return True
+        return False
 
     def diff(self) -> str:
         """Both op sequences, under `remat.debug`."""

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat import RecomputeError, _engine, memory, remat
-from tests.helpers import OpCounter
+from tests.helpers import POLICIES, OpCounter
 
 
 def _vector(seed=0, n=1000):
@@ -242,6 +242,25 @@ def test_nested_remat_recompute_counts_and_grads():
     plain = _vector()
     plain.exp().tanh().sigmoid().log().sum().backward()
     assert torch.equal(x.grad, plain.grad)
+
+
+def _grad_of_own_input(h):
+    k = h.sin() @ h.t()
+    return (torch.autograd.grad(k.sum(), [h], create_graph=True)[0] + k).cos()
+
+
+@pytest.mark.parametrize("outer", POLICIES.values(), ids=POLICIES.keys())
+def test_nested_region_taking_the_grad_of_its_own_input(outer):
+    """A nested region whose ``fn`` calls ``autograd.grad(create_graph=True)`` on its own
+    input, which it handed to the region around it: its recompute gets the input back as
+    a leaf, which autograd saves again where the forward's had the input's producer (it
+    raised "diverged" before). Plain's gradients over two steps."""
+    inner = remat(_grad_of_own_input)
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+    expected = torch.autograd.grad(_grad_of_own_input(x.exp()).sum(), x)[0]
+    nested = remat(lambda x: inner(x.exp()).sum(), policy=outer)
+    for _ in range(2):
+        assert torch.equal(torch.autograd.grad(nested(x), x)[0], expected)
 
 
 def test_nested_remat_outer_region_holds_only_its_inputs():
