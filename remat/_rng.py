@@ -127,6 +127,29 @@ def _find(clones: dict[torch.Generator, torch.Generator], generator: torch.Gener
     return clone
 
 
+def _find_original(clones: dict[torch.Generator, torch.Generator], generator: Any) -> Any:
+    """The generator among ``clones``' keys that ``generator`` wraps (see `_find`)."""
+    identity = generator_identity(generator)
+    for original in clones:
+        if generator_identity(original) == identity:
+            return original
+    return generator
+
+
+def _set_inside(generator: torch.Generator, seen: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``fn`` seeded or set ``generator`` in a recompute, whose draws are on clones:
+    its state moved from ``seen``. With other threads alive, only a seed tells (their
+    draws move it too): the state its seed gives, or another seed than ``before``'s."""
+    state = generator.get_state()
+    if torch.equal(state, seen):
+        return False
+    if not threaded():
+        return True
+    fresh = torch.Generator(device=generator.device)
+    fresh.set_state(before)
+    return generator.initial_seed() != fresh.initial_seed() or _fresh(generator)
+
+
 def _active(generator: torch.Generator) -> torch.Generator:
     """The generator an op really draws from: a replay clone inside a recompute."""
     replaying = _replaying(generator)
@@ -273,9 +296,11 @@ class RngCapture:
         self.snapshot = [(g, _active(g).get_state()) for g in generators]
 
     def finish(self) -> None:
-        """Keep the states of the generators the forward drew from."""
+        """Keep the states of the generators the forward drew from, and of every explicit
+        one (``fn`` may draw from it and then seed it back where it began)."""
+        defaults = _default_generators()
         for generator, state in self.snapshot:
-            if not torch.equal(_active(generator).get_state(), state):
+            if generator not in defaults or not torch.equal(_active(generator).get_state(), state):
                 self.states.setdefault(generator, state)
         if not self.cuda_ready and torch.cuda.is_initialized():  # first used in the region
             for generator in torch.cuda.default_generators:
@@ -336,6 +361,7 @@ class GeneratorWatch(TorchFunctionMode):
     def __init__(self, states: dict[torch.Generator, torch.Tensor]) -> None:
         super().__init__()
         self.states = states
+        self.made: list[torch.Generator] = []  # by ``fn``: seeded when it first drew
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if not kwargs:  # (most calls: checked first, as this runs for every torch call)
@@ -345,14 +371,16 @@ class GeneratorWatch(TorchFunctionMode):
             generator is not None
             and isinstance(generator, torch.Generator)
             and generator not in self.states
-            and not _fresh(generator)
+            and not any(generator is made for made in self.made)
         ):
-            raise RecomputeError(
-                f"`remat`: the recompute's {getattr(func, '__name__', func)} draws from a "
-                f"generator ({generator.device}) that the forward's capture did not see. Pass it "
-                "to the function as an argument (or keep it in a closure, a global the "
-                "function names, or a module attribute)."
-            )
+            if not _fresh(generator):
+                raise RecomputeError(
+                    f"`remat`: the recompute's {getattr(func, '__name__', func)} draws from a "
+                    f"generator ({generator.device}) that the forward's capture did not see. Pass "
+                    "it to the function as an argument (or keep it in a closure, a global the "
+                    "function names, or a module attribute)."
+                )
+            self.made.append(generator)
         return func(*args, **kwargs)
 
 
@@ -360,10 +388,12 @@ class RngReplay:
     """Runs random ops of one recompute on clones of the forward's generators.
 
     A clone is set to each op's own state where the forward kept them per op, and
-    otherwise draws on from where the forward started.
+    otherwise draws on from where the forward started. A generator ``fn`` seeds (or sets)
+    itself acts on the generator, not the clone: the clone takes the state it set (as
+    the forward drew from it), and the generator gets the caller's state back at the end.
     """
 
-    __slots__ = ("clones", "depth", "draws", "per_op")
+    __slots__ = ("caller", "clones", "depth", "draws", "per_op")
 
     def __init__(
         self,
@@ -377,13 +407,32 @@ class RngReplay:
         # its random ops did not draw from (dropout with p=0 is tagged random too).
         self.per_op = per_op
         self.depth = 0
+        # The generators' states as the recompute began, then as a draw last saw them
+        # (that ``fn`` had set).
+        self.caller: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def __enter__(self) -> RngReplay:
         self.depth = _enter_recompute(self)
+        for generator in dict.fromkeys([*self.clones, *_default_generators()]):
+            self.caller[generator] = (generator.get_state(), None)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _exit_recompute()
+        for generator, (state, set_to) in self.caller.items():
+            if set_to is not None or _set_inside(generator, state, state):
+                generator.set_state(state)
+
+    def _follow(self, generator: torch.Generator, clone: torch.Generator) -> None:
+        """If ``fn`` set ``generator``'s state since the last draw, draw on from there."""
+        entry = self.caller.get(generator)
+        if entry is None:
+            return
+        seen = entry[0] if entry[1] is None else entry[1]
+        if _set_inside(generator, seen, entry[0]):
+            state = generator.get_state()
+            clone.set_state(state)
+            self.caller[generator] = (entry[0], state)
 
     def next_state(self, clone: torch.Generator) -> torch.Tensor:
         """The state ``clone`` draws the next random op from."""
@@ -430,4 +479,6 @@ class RngReplay:
                     "random ops each time it is called."
                 )
             clone.set_state(states.pop())
+        elif clone is not generator:
+            self._follow(_find_original(self.clones, generator), clone)
         return _draw(func, args, kwargs, generator, clone)

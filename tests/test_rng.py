@@ -628,3 +628,48 @@ def test_nested_regions_with_random_ops_in_both(kind, outer, inner):
     _assert_same(
         run(program(lambda fn, policy: remat(fn, policy=kinds.get(policy, policy)))), expected
     )
+
+
+def _seeds_default(x, g):
+    torch.manual_seed(5)
+    return (x * torch.rand(4, 4, dtype=x.dtype)).sin()
+
+
+def _seeds_argument(x, g):
+    a = torch.rand(4, 4, generator=g, dtype=x.dtype)
+    g.manual_seed(5)
+    return (x * a).sin() * torch.rand(4, 4, generator=g, dtype=x.dtype)
+
+
+def _sets_argument(x, g):
+    g.set_state(torch.Generator().manual_seed(2).get_state())
+    return (x * torch.rand(4, 4, generator=g, dtype=x.dtype)).sin()
+
+
+def _makes_one(x, g):
+    made = torch.Generator().manual_seed(7)
+    a = torch.rand(4, 4, generator=made, dtype=x.dtype)
+    return (x * a).sin() * torch.rand(4, 4, generator=made, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("alive", ["neither", "backward"])
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+@pytest.mark.parametrize("f", [_seeds_default, _seeds_argument, _sets_argument, _makes_one])
+def test_generators_seeded_or_made_inside_fn(f, policy, alive):
+    """``fn`` seeds the default generator, seeds or sets one it is passed (also after
+    drawing from it), or makes and seeds its own and draws twice: plain's outputs,
+    gradients and generator states over 3 steps. A recompute on clones follows what
+    ``fn`` set, and gives the caller's state back (before: other gradients or states)."""
+
+    def run(fn):
+        torch.manual_seed(1)
+        g = torch.Generator().manual_seed(1)
+        x = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+        results = []
+        for _ in range(3):
+            y = step_with_idle_thread(lambda x: fn(x, g), x, alive)
+            results += [y.detach(), x.grad, torch.get_rng_state(), g.get_state()]
+            x.grad = None
+        return results
+
+    _assert_same(run(remat(f, policy=policy)), run(f))
