@@ -71,9 +71,9 @@ class _Learned:
         # Its batch norm statistics that an op besides batch norm read (`_write_only`).
         self.read: set[str] = set()
         # For an owner: the calls it watched, each by its arguments' tree structure (inputs
-        # are learned by leaf position) and the objects it reached that remat does not
-        # look into (`Reached.opaque`, by identity).
-        self.seen: set[tuple[Any, tuple[int, ...]]] = set()
+        # are learned by leaf position), the type of each leaf (a bool's value), and the
+        # objects it reached that remat does not look into (`Reached.opaque`, by identity).
+        self.seen: set[tuple[Any, tuple[Any, ...], tuple[int, ...]]] = set()
         # For an owner: the ops its forwards ran, per policy and input layouts (`_keep`).
         self.programs: dict[Any, Any] = {}
 
@@ -413,12 +413,15 @@ class ModuleState:
         watched instead (`before_write`), so nothing is copied that it does not write, and
         its recompute is guarded (`WriteGuard`), when it is the first of a module, or of
         the owner, in its training mode, or the first of the owner with arguments of this
-        tree ``structure`` (the leaves' positions name its inputs) that reaches the objects
-        it reaches whose attributes remat does not search (`Reached.opaque`).
+        tree ``structure`` (the leaves' positions name its inputs) and leaf types (and bool
+        values) that reaches the objects it reaches whose attributes remat does not search
+        (`Reached.opaque`).
         """
         state = cls()
         learned = _learned(owner)
-        key = (structure, tuple(reached.opaque))
+        # A tensor where a None was, or a flag flipped, may update other tensors.
+        kinds = tuple(leaf if type(leaf) is bool else type(leaf) for leaf in leaves)
+        key = (structure, kinds, tuple(reached.opaque))
         seen = learned is not None and key in learned.seen
         # Unseen: every input is watched, as its positions may show other tensors now.
         inputs_updated = learned.updated if seen and learned is not None else None

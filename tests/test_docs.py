@@ -307,6 +307,27 @@ def test_nested_per_op_region_taking_the_grad_of_its_own_input_raises(outer):
         torch.autograd.grad(nested(x), x)
 
 
+def _normalized_by_index(x: torch.Tensor, stats: Any, index: int) -> torch.Tensor:
+    mean, var = stats[index]
+    return torch.nn.functional.batch_norm(x, mean, var, training=True).tanh().sum()
+
+
+def test_an_int_that_picks_the_statistics_updated_is_not_told_apart() -> None:
+    """Statistics (written with no version bump) picked by an int argument: a call that
+    updates another pair, with the same argument structure and types, is not watched
+    again, and the default policy's recompute updates that pair a second time."""
+
+    def run(fn: Callable[..., Any]) -> Any:
+        stats = [(torch.zeros(3), torch.ones(3)) for _ in range(2)]
+        for step in range(3):
+            x = torch.linspace(-1, 1, 18).view(6, 3).add(step).requires_grad_()
+            fn(x, stats, step % 2).backward()
+        return stats
+
+    plain, checkpointed = run(_normalized_by_index), run(rematerialize(_normalized_by_index))
+    assert not torch.equal(plain[1][0], checkpointed[1][0]), STALE
+
+
 class _Holder:  # not a module: remat does not look into it
     def __init__(self) -> None:
         self.generator = torch.Generator()
