@@ -35,7 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._errors import RecomputeError
-from ._torch_private import generator_identity
+from ._torch_private import functorch_cleared, generator_identity
 
 __all__ = [
     "GeneratorWatch",
@@ -136,12 +136,18 @@ def _find_original(clones: dict[torch.Generator, torch.Generator], generator: An
     return generator
 
 
-def _set_inside(generator: torch.Generator, seen: torch.Tensor, before: torch.Tensor) -> bool:
+def _bytes(state: torch.Tensor) -> bytes:
+    """A generator state to compare: not with an aten op, which a user's mode would see
+    (``.numpy()``, outside torch.func's levels, which refuse it)."""
+    with functorch_cleared():
+        return state.numpy().tobytes()
+
+
+def _set_inside(generator: torch.Generator, seen: bytes, before: torch.Tensor) -> bool:
     """Whether ``fn`` seeded or set ``generator`` in a recompute, whose draws are on clones:
     its state moved from ``seen``. With other threads alive, only a seed tells (their
     draws move it too): the state its seed gives, or another seed than ``before``'s."""
-    state = generator.get_state()
-    if torch.equal(state, seen):
+    if _bytes(generator.get_state()) == seen:
         return False
     if not threaded():
         return True
@@ -209,7 +215,7 @@ def _fresh(generator: torch.Generator) -> bool:
     The recompute draws from such a generator itself: ``fn`` made it again, and the
     forward drew the same numbers from its own.
     """
-    return torch.equal(generator.get_state(), _initial_state(generator))
+    return _bytes(generator.get_state()) == _bytes(_initial_state(generator))
 
 
 def _initial_state(generator: torch.Generator) -> torch.Tensor:
@@ -407,32 +413,30 @@ class RngReplay:
         # its random ops did not draw from (dropout with p=0 is tagged random too).
         self.per_op = per_op
         self.depth = 0
-        # The generators' states as the recompute began, then as a draw last saw them
-        # (that ``fn`` had set).
-        self.caller: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Per generator: its state as the recompute began, the state a draw last saw (as
+        # bytes), and whether ``fn`` set it.
+        self.caller: dict[torch.Generator, tuple[torch.Tensor, bytes, bool]] = {}
 
     def __enter__(self) -> RngReplay:
         self.depth = _enter_recompute(self)
         for generator in dict.fromkeys([*self.clones, *_default_generators()]):
-            self.caller[generator] = (generator.get_state(), None)
+            state = generator.get_state()
+            self.caller[generator] = (state, _bytes(state), False)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _exit_recompute()
-        for generator, (state, set_to) in self.caller.items():
-            if set_to is not None or _set_inside(generator, state, state):
+        for generator, (state, seen, set_inside) in self.caller.items():
+            if set_inside or _set_inside(generator, seen, state):
                 generator.set_state(state)
 
     def _follow(self, generator: torch.Generator, clone: torch.Generator) -> None:
         """If ``fn`` set ``generator``'s state since the last draw, draw on from there."""
         entry = self.caller.get(generator)
-        if entry is None:
-            return
-        seen = entry[0] if entry[1] is None else entry[1]
-        if _set_inside(generator, seen, entry[0]):
+        if entry is not None and _set_inside(generator, entry[1], entry[0]):
             state = generator.get_state()
             clone.set_state(state)
-            self.caller[generator] = (entry[0], state)
+            self.caller[generator] = (entry[0], _bytes(state), True)
 
     def next_state(self, clone: torch.Generator) -> torch.Tensor:
         """The state ``clone`` draws the next random op from."""
