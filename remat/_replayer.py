@@ -210,8 +210,10 @@ class Replayer:
         """
         self.placeholders.clear()
         maps = placeholder_maps()
-        if any(m is self.placeholders for m in maps):
-            maps.remove(self.placeholders)
+        for i in range(len(maps) - 1, -1, -1):  # by identity: an empty dict equals another
+            if maps[i] is self.placeholders:
+                del maps[i]
+                break
 
     def made_here(self, t: torch.Tensor) -> bool:
         """Whether an op of this recompute made ``t`` (or it stands for something, as a

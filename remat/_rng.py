@@ -119,11 +119,9 @@ def _find(clones: dict[torch.Generator, torch.Generator], generator: torch.Gener
     """
     clone = clones.get(generator)
     if clone is None:
-        identity = generator_identity(generator)
-        for original, candidate in clones.items():
-            if generator_identity(original) == identity:
-                clones[generator] = clone = candidate
-                break
+        clone = clones.get(_find_original(clones, generator))
+        if clone is not None:
+            clones[generator] = clone
     return clone
 
 
