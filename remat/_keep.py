@@ -186,7 +186,7 @@ class Keeper:
         self.described: list[Any] = []  # handle index -> the saved value's signature
         self.kept: dict[int, tuple[Any, int]] = {}  # op index -> (output, version)
         self.keys: dict[tuple[Any, ...], int] = {}  # storage key of a kept output -> index
-        self.memories: dict[int, int] = {}  # where a kept output's data starts -> index
+        self.memories: dict[int, list[int]] = {}  # where kept outputs' data starts -> indices
         self.wanted: set[int] = set()  # ops whose outputs autograd saved for a rebuild
         self.skip: dict[int, Any] = {}  # op index -> layout, once the forward finished
         self.tags: dict[int, frozenset[str]] = {}
@@ -311,13 +311,11 @@ class Keeper:
         else tells: it is not kept (the recompute runs its op again)."""
         for t in written(op, args, kwargs):
             memory = data_start(t) if t.layout == torch.strided else None
-            index = self.memories.get(memory) if memory is not None else None
-            if index is None or index not in self.kept:
-                continue
-            out, version = self.kept[index]
-            if output_version(out) == version:
-                del self.kept[index]
-                self.offload.pop(index, None)
+            for index in self.memories.get(memory, ()) if memory is not None else ():
+                entry = self.kept.get(index)
+                if entry is not None and output_version(entry[0]) == entry[1]:
+                    del self.kept[index]
+                    self.offload.pop(index, None)
 
     def _diverge(self) -> None:
         """The forward leaves its program at op `count`: from there it records every op, as
@@ -432,7 +430,7 @@ class Keeper:
             key = storage_key(t)
             if key is not None:
                 self.keys[key] = index
-                self.memories[key[0]] = index
+                self.memories.setdefault(key[0], []).append(index)
         if decision is Decision.OFFLOAD:
             target = self.policy.device or torch.device("cpu")
             self.offload[index] = (output_tensors(out)[0].device, target)

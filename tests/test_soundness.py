@@ -797,13 +797,37 @@ def _written_through_set_storage(x, w):
     return F.dropout(h.sin(), 0.3) * h  # values saved after the write
 
 
+def _written_through_unsafe_split(x, w):
+    # unsafe_split's pieces share h's memory, each with a version counter of its own (as
+    # in the CPU LSTM cell): two kept values, h and the pieces, show one memory
+    a, b = torch.unsafe_split(x @ w, 2, 1)
+    a.sigmoid_()
+    b.tanh_()
+    return (a * b).tanh()
+
+
+def _written_through_unsafe_view(x, w):
+    # a matmul of a 3-d input returns mm's output through _unsafe_view: no shared counter
+    h = x.reshape(3, 2, 2) @ w[:2]
+    h.mul_(2)
+    return h.sin() * h
+
+
 @pytest.mark.parametrize(
-    "fn", [_written_through_data, _written_through_set_, _written_through_set_storage]
+    "fn",
+    [
+        _written_through_data,
+        _written_through_set_,
+        _written_through_set_storage,
+        _written_through_unsafe_split,
+        _written_through_unsafe_view,
+    ],
 )
 @pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
 def test_kept_value_written_through_an_alias_of_its_own(policy, fn):
     """A value a policy keeps, then written in place inside ``fn`` through an alias that
-    does not share its version counter (``.data``, ``set_``): plain's outputs and gradients
+    does not share its version counter (``.data``, ``set_``, ``unsafe_split``'s pieces,
+    ``_unsafe_view``): plain's outputs and gradients
     on every call. The kept value held the written values, and the recompute wrote them
     again (a silent wrong gradient); it is not kept now. A storage that ``set_`` reads is
     described by the op that made its memory (the recompute's is another object)."""
@@ -818,6 +842,22 @@ def test_kept_value_written_through_an_alias_of_its_own(policy, fn):
     f = remat(fn, policy=policy)
     for _ in range(3):  # later calls follow the program of the first
         assert_tree_equal(run(f), run(fn))
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_lstm_with_dropout_trains_as_plain(policy):
+    """``nn.LSTM`` on CPU writes its gates in place through ``unsafe_split``: plain's
+    outputs, gradients and generator state (memory budgets gave other gradients)."""
+
+    def run(wrap):
+        torch.manual_seed(0)
+        lstm = nn.LSTM(6, 6, num_layers=2, dropout=0.3, batch_first=True).double()
+        x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+        out = wrap(lambda x: lstm(x)[0])(x)
+        out.square().sum().backward()
+        return out, x.grad, [p.grad for p in lstm.parameters()], torch.get_rng_state()
+
+    assert_tree_equal(run(functools.partial(remat, policy=policy)), run(lambda f: f))
 
 
 class _Doubling(torch.overrides.TorchFunctionMode):
