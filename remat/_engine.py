@@ -348,7 +348,8 @@ class _Setting:
         moded = self.moded(recompute=True)
         stack.enter_context(torch.enable_grad())
         replant = stack.enter_context(self.levels.restore(tensors))
-        copies = stack.enter_context(self.modules.pinned()) if self.modules else []
+        wrap = functools.partial(self.levels.wrap, replant)
+        copies = stack.enter_context(self.modules.pinned(wrap)) if self.modules else []
         swap = {}
         if replant is not None:
             swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}

@@ -211,6 +211,21 @@ class Levels:
                 stack.enter_context(_ClosureMode(replant))
             yield replant
 
+    def wrap(
+        self, replant: Replant | None, chain: list[tuple[int, int | None, bool]], plain: Any
+    ) -> torch.Tensor:
+        """``plain`` wrapped as ``chain`` (`tp.wrapper_chain`) says the forward's levels
+        wrapped a tensor, at the recompute's levels: the re-created twins of exited ones."""
+        twins = {level: new for level, _, new in replant.recreated} if replant else {}
+        value = plain
+        for level, bdim, requires_grad in reversed(chain):
+            at = twins.get(level, level)
+            if bdim is not None:
+                value = tp.add_batch_dim(value, bdim, at)
+            else:  # a grad level, or a jvp level (a tensor with no tangent)
+                value = tp.wrap_for_grad(value, at, requires_grad)
+        return value
+
 
 class _Rewrap:
     """An input, closure or tangent, moved level by level from exited levels to their twins."""

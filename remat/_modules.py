@@ -362,6 +362,7 @@ class ModuleState:
 
     __slots__ = (
         "before",
+        "chains",
         "ended",
         "generators",
         "learners",
@@ -388,6 +389,11 @@ class ModuleState:
         # A watched forward: such slots' memory -> slot index, to learn of other reads.
         self.statistics: dict[int, int] = {}
         self.generators: list[Any] = []  # explicit torch.Generators kept as module attributes
+        # Slots whose tensors torch.func wrapped (``vmap`` batches ``functional_call``'s
+        # buffers, and arguments): slot index -> the wrappers (`wrapper_chain`), for the
+        # recompute's copy, and the plain tensor's version at entry (a wrapper's does not
+        # move with it). Their snapshots are of the plain tensor.
+        self.chains: dict[int, tuple[list[tuple[int, int | None, bool]], int]] = {}
         self.sharded: list[_Slot] = []  # FSDP2's sharded parameters, for their versions only
         # Reached by reference, and their versions (at entry, then when the forward ended).
         self.loose: list[tuple[torch.Tensor, int]] = []
@@ -431,10 +437,11 @@ class ModuleState:
             name = f"input {i}"
             if inputs_updated is not None and name not in inputs_updated:
                 continue
-            if _torch_private.unwrap_all(x) is x:  # not under torch.func
-                if inputs_updated is not None:
-                    state.snapshots[len(state.slots)] = x.detach().clone()
-                state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
+            if inputs_updated is not None:
+                state.snapshots[len(state.slots)] = state._snapshot(len(state.slots), x)
+            else:
+                state._wrapped(len(state.slots), x)
+            state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
         unlearned = [] if seen else [owner]
         submodules = _submodules(reached.modules)
         fsdp, dtensor = _fsdp_types()
@@ -461,8 +468,7 @@ class ModuleState:
                     if write_only and name in updated:
                         state.scratch.add(len(slots))
                     elif name in updated:
-                        with torch.no_grad():
-                            state.snapshots[len(slots)] = t.detach().clone()
+                        state.snapshots[len(slots)] = state._snapshot(len(slots), t)
                     if write_only:
                         candidates.append(len(slots))
                     slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
@@ -474,12 +480,27 @@ class ModuleState:
             state.statistics = {_memory(slots[i].tensor): i for i in candidates}
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
                 state.before = {
-                    i: _torch_private.unwrap_all(slot.tensor).detach()
-                    for i, slot in enumerate(state.slots)
+                    i: state._wrapped(i, slot.tensor).detach() for i, slot in enumerate(state.slots)
                 }
         if not (state.slots or state.loose or state.watching or state.sharded):
             return None
         return state
+
+    def _wrapped(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Slot ``i``'s plain tensor; the wrappers around it, if any, go to `chains`."""
+        plain = _torch_private.unwrap_all(t)
+        if plain is not t:
+            self.chains[i] = (_torch_private.wrapper_chain(t), plain._version)
+        return plain
+
+    def _snapshot(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """A copy of what slot ``i`` (tensor ``t``) holds at entry."""
+        plain = self._wrapped(i, t)
+        if plain is t:
+            with torch.no_grad():
+                return t.detach().clone()
+        with _torch_private.functorch_cleared(), torch.no_grad():
+            return plain.clone()
 
     def before_write(self, written: list[torch.Tensor]) -> None:
         """A watched forward is about to write ``written``: snapshot the slots they show."""
@@ -532,7 +553,7 @@ class ModuleState:
             updated = i in self.taken or moved or self.ended[i] != slot.version
             if not updated and snapshot is not None:
                 # Some kernels (batch norm's running statistics) write without a version bump.
-                updated = not torch.equal(snapshot, t)
+                updated = not _equal(snapshot, t)
             if not updated:
                 self.snapshots.pop(i, None)
                 continue
@@ -552,8 +573,13 @@ class ModuleState:
         self.loose = [(t, t._version) for t, _ in self.loose]
 
     @contextlib.contextmanager
-    def pinned(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
+    def pinned(
+        self, wrap: Callable[[list[tuple[int, int | None, bool]], torch.Tensor], torch.Tensor]
+    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
         """Within the block, every slot shows what the forward read from it.
+
+        ``wrap`` wraps a plain copy as a slot's wrappers (`chains`) did, at the
+        recompute's levels.
 
         Yields the private copies, (copy, the forward's tensor, the version of its plain
         tensor then): it
@@ -613,15 +639,20 @@ class ModuleState:
             if snapshot is None and self.before and _memory(slot.tensor) != slot.memory:
                 snapshot = self.before[i]  # inside a watched forward, after a `.data` assignment
             if snapshot is not None:
-                with torch.no_grad():
-                    copy = snapshot.clone()
+                wrapped = self.chains.get(i)
+                if wrapped is None:
+                    with torch.no_grad():
+                        copy = snapshot.clone()
+                else:  # plain (a level would wrap the clone), then wrapped as the slot was
+                    with _torch_private.functorch_cleared(), torch.no_grad():
+                        copy = snapshot.clone()
+                    copy = wrap(wrapped[0], copy)
                 plain = _torch_private.unwrap_all(copy)
                 if slot.tensor.requires_grad and plain is copy:
                     copy.requires_grad_()
                 # The copy counts versions from where the forward's plain tensor did, so its
                 # views and ``.data`` aliases count theirs as the forward's did.
-                version = _torch_private.unwrap_all(slot.tensor)._version
-                version -= slot.tensor._version - slot.version  # (a wrapper's count moves along)
+                version = slot.version if wrapped is None else wrapped[1]
                 _torch_private.set_version(plain, version)
                 if slot.table is not None:
                     swaps.append((slot.table, slot.name, copy))
@@ -649,6 +680,15 @@ class ModuleState:
         finally:
             for table, name, t in previous:
                 table[name] = t
+
+
+def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` holds ``snapshot``'s values (its plain tensor's, under torch.func)."""
+    plain = _torch_private.unwrap_all(t)
+    if plain is t:
+        return torch.equal(snapshot, t)
+    with _torch_private.functorch_cleared():
+        return torch.equal(snapshot, plain)
 
 
 def _lost(slot: _Slot) -> RecomputeError:

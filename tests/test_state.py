@@ -625,3 +625,75 @@ def test_statistics_an_argument_switches_on_in_later_calls(policy, change):
     assert_tree_equal(
         run(remat.remat(_normalized_by_pair, policy=policy)), run(_normalized_by_pair)
     )
+
+
+@each_policy
+def test_statistics_batched_by_vmap_are_updated_once(policy):
+    """Running statistics passed as arguments, batched by ``vmap`` (one pair per member),
+    with the backward after ``vmap`` returned: the recompute updates a private copy, as
+    for plain tensors. It updated the statistics a second time, silently."""
+
+    def run(fn: Callable[..., Any]) -> Any:
+        mean, var = torch.zeros(3, 4, dtype=DTYPE), torch.ones(3, 4, dtype=DTYPE)
+        results = []
+        for step in range(3):
+            x = torch.linspace(-1, 1, 60, dtype=DTYPE).view(3, 5, 4).add(step).requires_grad_()
+            out = torch.func.vmap(fn)(x, mean, var)
+            (grad,) = torch.autograd.grad(out.square().sum(), x)
+            results += [out.detach(), grad, mean.clone(), var.clone()]
+        return results
+
+    def normalized(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.batch_norm(x.sin(), mean, var, training=True).tanh()
+
+    assert_tree_equal(run(remat.remat(normalized, policy=policy)), run(normalized))
+
+
+class _Member(nn.Module):
+    """An ensemble member whose forward updates three buffers: batch norm's statistics,
+    an EMA and a counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(4, 4).to(DTYPE), nn.BatchNorm1d(4).to(DTYPE)
+        self.register_buffer("ema", torch.zeros(4, dtype=DTYPE))
+        self.register_buffer("calls", torch.zeros((), dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.lin(x))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            self.calls.add_(1)
+        return nn.functional.dropout(h.tanh(), 0.2) * self.calls + self.ema
+
+
+@each_policy
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_vmapped_ensemble_with_buffers_trains_as_plain(policy, randomness):
+    """Model ensembling (``stack_module_state``, ``vmap`` over ``functional_call``) whose
+    members update buffers in the forward, with the backward after ``vmap`` returned:
+    plain's outputs, gradients, buffers and generator state over 3 calls. The buffers are
+    batched; the recompute gets a private copy batched the same way. It raised, or
+    updated them a second time."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        members = [_Member() for _ in range(3)]
+        base = copy.deepcopy(members[0])
+        base.forward = wrap(base.forward)
+        params, buffers = torch.func.stack_module_state(members)
+
+        def call(p: Any, b: Any, x: torch.Tensor) -> torch.Tensor:
+            return functional_call(base, (p, b), (x,))
+
+        results = []
+        for step in range(3):
+            x = torch.linspace(-1, 1, 20, dtype=DTYPE).view(5, 4) * (step + 1)
+            out = torch.func.vmap(call, in_dims=(0, 0, None), randomness=randomness)(
+                params, buffers, x
+            )
+            grads = torch.autograd.grad(out.square().sum(), list(params.values()))
+            results += [out, grads, {k: v.clone() for k, v in buffers.items()}]
+        return results, torch.get_rng_state()
+
+    assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
