@@ -12,8 +12,9 @@ partitioner honours its answers. Policies that need what the trace does not have
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NoReturn
 
+import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import (
 from . import _torch_private
 from ._policies import Decision, OpCall, Policy, save_all_but_names, save_names
 
-__all__ = ["traced"]
+__all__ = ["refuse_budget", "traced"]
 
 _AS_TORCH = {
     Decision.SAVE: CheckpointPolicy.MUST_SAVE,
@@ -49,12 +50,7 @@ def traced(
             "`OpCall.op` and `OpCall.args`), or run this region without compiling it."
         )
     if policy.budget is not None and policy.per_op:
-        raise RuntimeError(
-            f"`remat`: {policy.budget!r} chooses what to keep from a region's eager forward, "
-            "which torch.compile does not run. Compile with a policy that decides by op "
-            "(`save_matmuls`, `save_ops(...)`), or use torch's own "
-            "`torch._functorch.config.activation_memory_budget`, or run this region eagerly."
-        )
+        raise _budget_refused(policy)
     context: dict[str, Any] = {}
     if policy.per_op:
         decide = functools.partial(_decide, policy)
@@ -62,6 +58,24 @@ def traced(
     context.update(_torch_private.checkpoint_options())
     return checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **context, **kwargs
+    )
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # (Dynamo would compile this frame)
+def refuse_budget(policy: Policy) -> NoReturn:
+    """`memory_budget` where Dynamo runs a region's frame as is, after the graph break
+    that raising in `traced` is."""
+    raise _budget_refused(policy)
+
+
+def _budget_refused(policy: Policy) -> RuntimeError:
+    """`memory_budget` under torch.compile: it decides from an eager forward."""
+    return RuntimeError(
+        f"`remat`: {policy.budget!r} chooses what to keep from a region's eager forward, "
+        "which torch.compile does not run. Compile with a policy that decides by op "
+        "(`save_matmuls`, `save_ops(...)`), or use torch's own "
+        "`torch._functorch.config.activation_memory_budget`, or run this region eagerly "
+        "(`torch.compiler.disable`)."
     )
 
 

@@ -182,6 +182,12 @@ def register_opaque(cls: type, guard: Callable[[Any], list[Any]], read: tuple[st
         opaque_object.register_opaque_type(cls, typ="reference", guard_fn=guard, members=members)
 
 
+# torch.compile's frame callback, set (truthy) while a compiled call runs, also in a frame
+# Dynamo gave up tracing and runs as is (there ``is_compiling()`` is False). A builtin:
+# calling it makes no frame, which Dynamo would compile there.
+compile_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
 def in_compiled_autograd() -> bool:
     """Whether compiled autograd is running the current backward (it has no public flag)."""
     compiled = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported by remat

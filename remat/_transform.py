@@ -10,7 +10,7 @@ import optree
 import torch
 
 from . import _hf, _torch_private
-from ._compiled import traced
+from ._compiled import refuse_budget, traced
 from ._engine import Region, running_region
 from ._modules import ModuleState, owner_of, reachable
 from ._policies import OpCall, Policy, resolve
@@ -123,12 +123,13 @@ def remat(
         )
     compare = check == "shapes"
 
-    @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if resolved.keeps_everything or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # Dynamo traces the region into its graph
             return traced(fn, args, kwargs, resolved, preserve_rng)
+        if resolved.budget is not None and resolved.per_op and _torch_private.compile_callback():
+            refuse_budget(resolved)
         leaves: list[Any]
         leaves, structure = optree.tree_flatten(
             (args, kwargs),  # type: ignore[arg-type]
@@ -162,6 +163,11 @@ def remat(
             check_caches()  # raises if the forward wrote to a Hugging Face cache
         return out
 
+    if not torch.compiler.is_compiling():
+        # (Dynamo breaks the graph copying a partial's ``__dict__``, as `remat.checkpoint`
+        # and Hugging Face's layers make one per call; a wrapper made while it traces is
+        # called there and then.)
+        functools.update_wrapper(wrapper, fn)
     wrapper.policy = resolved  # type: ignore[attr-defined]
     return wrapper
 

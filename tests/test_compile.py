@@ -21,6 +21,7 @@ from torch.utils.checkpoint import (
 import remat
 from remat import policies
 from remat._rng import threaded
+from tests.helpers import assert_tree_equal
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -165,10 +166,16 @@ def _regions(how: str, policy: str) -> Stack:
         return remat.apply(_model(_plain), Block, policy=policy)
     if how == "checkpoint":
         return _model(lambda block: functools.partial(remat.checkpoint, block, policy=policy))
+    if how == "checkpoint_partial":  # as Hugging Face's layers call it, with a new partial
+        return _model(
+            lambda block: (
+                lambda *args: remat.checkpoint(functools.partial(block), *args, policy=policy)
+            )
+        )
     return _model(remat.remat(policy=policy))
 
 
-HOW = ["remat", "apply", "checkpoint"]
+HOW = ["remat", "apply", "checkpoint", "checkpoint_partial"]
 
 
 @pytest.mark.parametrize("how", HOW)
@@ -178,12 +185,30 @@ def test_explain_reports_one_graph_and_no_break(policy, how):
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
 
 
-def test_memory_budget_refuses_to_compile():
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_memory_budget_refuses_to_compile(fullgraph):
     """`memory_budget` chooses from an eager forward: under torch.compile it raises, naming
-    itself and what to use instead."""
+    itself and what to use instead. Without ``fullgraph`` too, where Dynamo runs the
+    region's frame as is after the raise: it raised a misleading `RecomputeError` at the
+    backward instead."""
     model = _model(remat.remat(policy=policies.memory_budget(0.5)))
-    with pytest.raises(Exception, match=r"memory_budget\(0.5\) chooses what to keep from a"):
-        torch.compile(model, backend="aot_eager", fullgraph=True)(_input())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    with pytest.raises(RuntimeError, match=r"memory_budget\(0.5\) chooses what to keep from a"):
+        compiled(_input()).backward()
+
+
+def test_memory_budget_region_run_eagerly_inside_a_compiled_model():
+    """The way out the refusal names: the region under ``torch.compiler.disable`` runs
+    eagerly inside the compiled model, with eager plain's loss and gradients."""
+    budget = remat.remat(policy=policies.memory_budget(0.5))
+    results = []
+    for wrap in (_plain, budget):
+        model = _model(lambda block, wrap=wrap: torch.compiler.disable(wrap(block)))
+        torch.manual_seed(100)
+        loss = torch.compile(model, backend="aot_eager")(_input())
+        loss.backward()
+        results.append((loss, [p.grad for p in model.parameters()]))
+    assert_tree_equal(*results)
 
 
 def test_inductor_float32_matches_compiled_plain():

@@ -612,3 +612,38 @@ def test_region_that_reads_a_kv_cache_runs():
     (got,) = torch.autograd.grad(remat.remat(read)(x, cache), x)
     assert torch.equal(got, expected)
     assert cache.get_seq_length() == 3
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_compiled_steps_equal_compiled_plain_with_no_region_frames(name):
+    """``torch.compile`` (aot_eager) of a model whose layers `apply` made regions, three
+    steps of other shapes, under a pass-through function mode: the compiled model
+    without remat's loss and gradients, bitwise. A layer calls `remat.checkpoint` with a
+    new partial; remat's wrapper copied the partial's attributes, which Dynamo cannot
+    trace: each region broke the graph and ran as a frame of its own, recompiled per
+    layer and shape until the limit, then eagerly (T5's gradients differed), and Llama
+    failed under the mode (``arange() received an invalid combination of arguments``)."""
+    torch._dynamo.reset()
+    plain, _ = _model(name)
+    regions, layer = _model(name)
+    remat.apply(regions, layer)
+    results = []
+    for model in (plain, regions):
+        compiled, losses = torch.compile(model, backend="aot_eager"), []
+        for step, (batch, seq) in enumerate([(2, 10), (2, 12), (3, 7)]):
+            generator = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            with _PassThrough():
+                loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append((loss.detach(), [p.grad for p in model.parameters()]))
+        results.append(losses)
+    torch._dynamo.reset()
+    _assert_same(*results)
