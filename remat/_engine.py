@@ -164,7 +164,11 @@ class _Outer:
 _Given = tuple[weakref.ref[Any], Any, torch.Size, tuple[int, ...], torch.dtype]
 
 
-def _given(t: torch.Tensor) -> _Given:
+def _given(t: torch.Tensor) -> _Given | None:
+    """None for a value with no storage to remember it by (a sparse tensor): a second
+    unpack recomputes it."""
+    if t.layout != torch.strided:
+        return None
     return weakref.ref(t.untyped_storage()), t.storage_offset(), t.shape, t.stride(), t.dtype
 
 
@@ -692,7 +696,9 @@ class _Unpack:
         if value is None:
             value = self._again(packed, key)
         elif release and key != -1:
-            self.given.setdefault(key, {})[packed.index] = _given(value)
+            given = _given(value)
+            if given is not None:
+                self.given.setdefault(key, {})[packed.index] = given
         return value
 
     def _again(self, packed: _Handle, key: int) -> torch.Tensor:

@@ -553,7 +553,9 @@ class Keeper:
             entry = self.kept.get(index)
             if entry is not None and output_version(entry[0]) == entry[1]:
                 made = output_tensors(entry[0])
-                if not any(data_start(t) in theirs for t in made):
+                # (A sparse value has no storage to count: it is not kept.)
+                strided = all(t.layout == torch.strided for t in made)
+                if strided and not any(data_start(t) in theirs for t in made):
                     candidates[index] = sum(t.untyped_storage().nbytes() for t in made)
         theirs.discard(None)
         plain = sum(n for memory, (_, n) in self.saved_bytes.items() if memory not in theirs)

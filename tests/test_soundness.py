@@ -860,6 +860,26 @@ def test_lstm_with_dropout_trains_as_plain(policy):
     assert_tree_equal(run(functools.partial(remat, policy=policy)), run(lambda f: f))
 
 
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_sparse_tensor_made_inside_fn(policy):
+    """A sparse value the backward reads, made inside ``fn``: plain's gradients. remat
+    remembered every value it gave by its storage, which a sparse tensor has not (it
+    raised ``NotImplementedError``)."""
+
+    def fn(x, w):
+        return torch.sparse.mm(x.to_sparse(), w).exp()
+
+    def run(wrap):
+        x, w = _randn(0, 4, 4), _randn(1, 4, 4)
+        out = wrap(x, w)
+        out.sum().backward()
+        return out, x.grad, w.grad
+
+    f = remat(fn, policy=policy)
+    for _ in range(2):
+        assert_tree_equal(run(f), run(fn))
+
+
 class _Doubling(torch.overrides.TorchFunctionMode):
     """A user's function mode that changes what ``sin`` computes."""
 
