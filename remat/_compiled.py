@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 from typing import Any, NoReturn
 
-import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -61,10 +60,10 @@ def traced(
     )
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # (Dynamo would compile this frame)
 def refuse_budget(policy: Policy) -> NoReturn:
     """`memory_budget` where Dynamo runs a region's frame as is, after the graph break
-    that raising in `traced` is."""
+    that raising in `traced` is. Called through ``torch.compiler.disable`` (Dynamo would
+    compile its frame there), which imports Dynamo: not at remat's import."""
     raise _budget_refused(policy)
 
 

@@ -129,7 +129,7 @@ def remat(
         if torch.compiler.is_compiling():  # Dynamo traces the region into its graph
             return traced(fn, args, kwargs, resolved, preserve_rng)
         if resolved.budget is not None and resolved.per_op and _torch_private.compile_callback():
-            refuse_budget(resolved)
+            torch.compiler.disable(refuse_budget)(resolved)
         leaves: list[Any]
         leaves, structure = optree.tree_flatten(
             (args, kwargs),  # type: ignore[arg-type]
