@@ -363,6 +363,7 @@ class ModuleState:
     __slots__ = (
         "before",
         "chains",
+        "copies",
         "ended",
         "generators",
         "learners",
@@ -403,6 +404,9 @@ class ModuleState:
         self.learners: list[Any] = []
         self.seen_as: tuple[Any, Any] | None = None  # (owner, its key in `_Learned.seen`)
         self.before: dict[int, torch.Tensor] = {}
+        # A watched forward: copies of its buffers and arguments at entry, which tell a
+        # write no op shows (through ``.numpy()``, a kernel given a raw pointer).
+        self.copies: dict[int, torch.Tensor] = {}
         self.taken: set[int] = set()
         self.settled = False  # the forward ended
         self.ended: list[int] = []  # slot index -> version when the forward ended
@@ -482,6 +486,12 @@ class ModuleState:
                 state.before = {
                     i: state._wrapped(i, slot.tensor).detach() for i, slot in enumerate(state.slots)
                 }
+                with torch.no_grad():
+                    state.copies = {
+                        i: state.before[i].clone()
+                        for i, slot in enumerate(state.slots)
+                        if slot.table is None or slot.table is slot.module._buffers
+                    }
         if not (state.slots or state.loose or state.watching or state.sharded):
             return None
         return state
@@ -538,7 +548,7 @@ class ModuleState:
         self.ended = [slot.tensor._version for slot in slots]
         # The usual: nothing snapshotted or written, no tensor moved: no slot is updated.
         quiet = (
-            not (self.scratch or self.snapshots or self.taken)
+            not (self.scratch or self.snapshots or self.taken or self.copies)
             and self.ended == [slot.version for slot in slots]
             and [_memory(slot.tensor) for slot in slots] == [slot.memory for slot in slots]
         )
@@ -551,7 +561,12 @@ class ModuleState:
             if moved and snapshot is None and self.watching:
                 snapshot = self.snapshots[i] = self.before[i]  # the memory it showed before
             updated = i in self.taken or moved or self.ended[i] != slot.version
-            if not updated and snapshot is not None:
+            if not updated and snapshot is None and i in self.copies:
+                snapshot = self.copies[i]  # a write that no op showed, if any
+                updated = not _equal(snapshot, t)
+                if updated:
+                    self.snapshots[i] = snapshot
+            elif not updated and snapshot is not None:
                 # Some kernels (batch norm's running statistics) write without a version bump.
                 updated = not _equal(snapshot, t)
             if not updated:
@@ -568,7 +583,7 @@ class ModuleState:
             if len(seen) > 64:  # an owner that reaches new objects at every call
                 seen.clear()
             seen.add(key)
-        self.before, self.taken = {}, set()
+        self.before, self.taken, self.copies = {}, set(), {}
         self.written = [t for t, version in self.loose if t._version != version]
         self.loose = [(t, t._version) for t, _ in self.loose]
 

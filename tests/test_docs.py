@@ -362,3 +362,64 @@ def test_unseen_generator_reseeded_before_the_backward_passes_for_one_fn_made(po
     got = run(rematerialize(_draws_from_the_holder, policy=policy))
     same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert same == (policy != "save_nothing"), STALE
+
+
+def test_parameter_written_where_no_op_shows_it_is_written_again() -> None:
+    """Parameters are not copied at a watched forward (it would double the model's memory):
+    one written inside ``fn`` through ``.numpy()`` is written again by the recompute."""
+
+    def run(wrap: Callable[[Any], Any]) -> torch.Tensor:
+        linear = torch.nn.Linear(3, 3).double()
+        x = torch.linspace(-1, 1, 6, dtype=torch.float64).view(2, 3).requires_grad_()
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            linear.bias.detach().numpy()[:] += 1
+            return linear(x).tanh()
+
+        wrap(fn)(x).sum().backward()
+        return linear.bias.detach().clone()
+
+    assert not torch.equal(run(rematerialize), run(lambda f: f)), STALE
+
+
+def _data_written_after_saved(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = (x @ w).exp()
+    h.data.mul_(2)  # after exp saved h: plain's backward reads the written values
+    return h * 3
+
+
+def _input_written_through_data(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = (x @ w).exp()
+    x.data.add_(1)  # an argument that requires grad: its version does not move
+    return h * x
+
+
+@pytest.mark.parametrize("fn", [_data_written_after_saved, _input_written_through_data])
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_writes_through_data_inside_fn_are_not_seen(fn, policy):
+    """Inside ``fn``, a value the backward reads written through ``.data`` after the op
+    that saved it, or an argument that requires grad written through ``.data``: no version
+    counter sees it, and remat's gradients differ from plain's, with no error."""
+
+    def grads(f: Callable[..., torch.Tensor]) -> Any:
+        x = torch.linspace(-1, 1, 9, dtype=torch.float64).view(3, 3).requires_grad_()
+        w = torch.linspace(0, 1, 9, dtype=torch.float64).view(3, 3).requires_grad_()
+        return torch.autograd.grad(f(x, w).sum(), (x, w))
+
+    assert not torch.equal(grads(rematerialize(fn, policy=policy))[1], grads(fn)[1]), STALE
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_saved_value_modified_in_place_runs_where_plain_raises(policy):
+    """An output modified in place before the backward, where plain autograd raises
+    (``exp`` saved it): remat recomputes the value, as ``torch.utils.checkpoint`` does,
+    and gives the gradient of what the program computed."""
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True)
+    plain = x.exp()
+    plain.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain.sum().backward()
+    out = rematerialize(torch.exp, policy=policy)(x)
+    out.mul_(2)
+    out.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach().exp())

@@ -697,3 +697,41 @@ def test_vmapped_ensemble_with_buffers_trains_as_plain(policy, randomness):
         return results, torch.get_rng_state()
 
     assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
+
+
+class _RawWrites(nn.Module):
+    """A forward that updates a buffer and an argument where no op shows it: through
+    ``.numpy()``, as a kernel given a raw pointer would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).to(DTYPE)
+        self.register_buffer("total", torch.zeros(4, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.total.numpy()[:] += h.detach().numpy().sum(0)
+        seen.numpy()[:] += 1
+        return (h.tanh() * self.total * seen).sin()
+
+
+@each_policy
+def test_writes_no_op_shows_are_made_once(policy):
+    """A buffer and an argument written inside ``fn`` through ``.numpy()``: the recompute
+    reads them as the forward did and writes private copies. A watched forward compares
+    buffers and arguments with copies taken at entry; the recompute wrote them again."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        model, seen = _RawWrites(), torch.zeros(4, dtype=DTYPE)
+        forward = wrap(model.forward)
+        results = []
+        for step in range(3):
+            out = forward(_batch(step)[:, :4], seen)
+            out.sum().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            results += [out.detach(), grads, model.total.clone(), seen.clone()]
+        return results
+
+    assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
