@@ -60,6 +60,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         *,
         capture: RngCapture | None = None,
         replay: RngReplay | None = None,
+        rng: RngCapture | None = None,
         keeper: Keeper | None = None,
         replayer: Replayer | None = None,
         trace: list[TraceEntry] | None = None,
@@ -68,6 +69,7 @@ class OpMode(_torch_private.TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.capture, self.replay, self.trace = capture, replay, trace
+        self.rng = rng  # a watched forward's, not capturing per op: it notes random ops
         self.keeper, self.replayer = keeper, replayer
         self.watch, self.guard = watch, guard  # the forward's and the recompute's, first calls
         self.checks = watch is not None or guard is not None or trace is not None
@@ -135,6 +137,8 @@ class OpMode(_torch_private.TorchDispatchMode):
             return self.capture.call(func, args, kwargs)
         if self.replay is not None:
             return self.replay.call(func, args, kwargs)
+        if self.watch is not None and self.rng is not None:
+            self.rng.saw(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _passed(self, op: Op, args: Any, kwargs: Any) -> bool:

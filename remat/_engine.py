@@ -453,8 +453,11 @@ class Region:
         if moded:
             watch = setting.modules if setting.watching else None
             capture = setting.rng if setting.per_op() else None
+            noted = setting.rng if capture is None and watch is not None else None
+            if noted is not None:
+                noted.ops = []
             self.mode = setting.mode_type()(
-                capture=capture, keeper=self.keeper, trace=setting.trace, watch=watch
+                capture=capture, rng=noted, keeper=self.keeper, trace=setting.trace, watch=watch
             )
         rng = None if setting.per_op() else setting.rng  # not per op: read generators around
         if rng is not None:

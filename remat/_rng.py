@@ -254,16 +254,26 @@ def _draw(func: Any, args: Any, kwargs: Any, generator: torch.Generator, private
 class RngCapture:
     """Generator states a region consumed, as values."""
 
-    __slots__ = ("cuda_ready", "depth", "draws", "snapshot", "states")
+    __slots__ = ("cuda_ready", "depth", "draws", "ops", "snapshot", "states")
 
     def __init__(self) -> None:
         # A nested region's recompute inside this forward (an ``autograd.grad`` in ``fn``)
         # replays the nested region's numbers: its draws are not this region's.
         self.depth = _recomputes()
         self.states: dict[torch.Generator, torch.Tensor] = {}  # the first state drawn from
-        self.draws: dict[torch.Generator, list[torch.Tensor]] = {}  # per random op (mode)
+        # Per random op (under a mode): the state it drew from, and the op.
+        self.draws: dict[torch.Generator, list[tuple[torch.Tensor, Any]]] = {}
         self.snapshot: list[tuple[torch.Generator, torch.Tensor]] = []
         self.cuda_ready = True
+        # A watched forward's random ops, not captured per op (`saw`): None if not watched.
+        self.ops: list[Any] | None = None
+
+    def saw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A watched forward, not capturing per op, ran random op ``func``: its recompute
+        checks that it runs the same (a first call may draw numbers later calls do not)."""
+        generator = _op_generator(args, kwargs)
+        if self.ops is not None and generator is not None and _recomputes() <= self.depth:
+            self.ops.append(func)
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Under a dispatch mode: run a random op on a private generator, keeping its state."""
@@ -290,7 +300,7 @@ class RngCapture:
                 generator.set_state(private.get_state())
             generator = source
         self.states.setdefault(generator, state)
-        self.draws.setdefault(generator, []).append(state)
+        self.draws.setdefault(generator, []).append((state, func))
         return out
 
     def start(self, visible: list[torch.Generator]) -> None:
@@ -327,7 +337,8 @@ class RngCapture:
             clones[generator] = clone
             if generator in self.draws:
                 draws[clone] = list(reversed(self.draws[generator]))
-        return RngReplay(clones, draws, per_op)
+        ops = None if self.ops is None else list(reversed(self.ops))
+        return RngReplay(clones, draws, per_op, ops)
 
 
 class RngLend:
@@ -397,16 +408,18 @@ class RngReplay:
     the forward drew from it), and the generator gets the caller's state back at the end.
     """
 
-    __slots__ = ("caller", "clones", "depth", "draws", "per_op")
+    __slots__ = ("caller", "clones", "depth", "draws", "ops", "per_op")
 
     def __init__(
         self,
         clones: dict[torch.Generator, torch.Generator],
-        draws: dict[torch.Generator, list[torch.Tensor]],
+        draws: dict[torch.Generator, list[tuple[torch.Tensor, Any]]],
         per_op: bool,
+        ops: list[Any] | None = None,
     ) -> None:
         self.clones = clones
-        self.draws = draws  # clone -> the states of the forward's ops, last first
+        self.draws = draws  # clone -> the forward's ops and their states, last first
+        self.ops = ops  # a watched forward's random ops, last first (`RngCapture.saw`)
         # Without per-op capture, a default generator the forward left unchanged is one
         # its random ops did not draw from (dropout with p=0 is tagged random too).
         self.per_op = per_op
@@ -439,7 +452,7 @@ class RngReplay:
     def next_state(self, clone: torch.Generator) -> torch.Tensor:
         """The state ``clone`` draws the next random op from."""
         states = self.draws.get(clone)
-        return states[-1] if states else clone.get_state()
+        return states[-1][0] if states else clone.get_state()
 
     def skip(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Leave out random op ``func``'s draw, if the forward kept the state of each op
@@ -448,16 +461,17 @@ class RngReplay:
             return False
         generator = _op_generator(args, kwargs)
         clone = _find(self.clones, generator) if generator is not None else None
-        states = self.draws.get(clone) if clone is not None else None
-        if not states:
+        if clone is None or not self.draws.get(clone):
             return False
-        states.pop()
+        _drawn_by(self.draws[clone].pop(), func, clone)
         return True
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         generator = _op_generator(args, kwargs)
         if generator is None or _recomputes() > self.depth:
             return func(*args, **kwargs)
+        if self.ops is not None:
+            _same_op(self.ops.pop() if self.ops else None, func, generator)
         clone = _find(self.clones, generator)
         if clone is None and "generator" in kwargs and _fresh(generator):
             self.clones[generator] = clone = generator  # made and seeded inside ``fn``
@@ -480,7 +494,26 @@ class RngReplay:
                     f"drew from its generator ({generator.device}). `fn` must run the same "
                     "random ops each time it is called."
                 )
-            clone.set_state(states.pop())
+            clone.set_state(_drawn_by(states.pop(), func, clone))
         elif clone is not generator:
             self._follow(_find_original(self.clones, generator), clone)
         return _draw(func, args, kwargs, generator, clone)
+
+
+def _drawn_by(entry: tuple[torch.Tensor, Any], func: Any, generator: torch.Generator) -> Any:
+    """The state the forward's random op ``entry`` drew from, checked to be ``func``'s."""
+    _same_op(entry[1], func, generator)
+    return entry[0]
+
+
+def _same_op(drawn: Any, func: Any, generator: torch.Generator) -> None:
+    """The recompute's random op ``func`` is where the forward ran ``drawn`` (None: none)."""
+    if drawn is not func:
+        where = "after the forward's last" if drawn is None else f"where the forward's {drawn} did"
+        raise RecomputeError(
+            f"`remat`: the recompute's {func} draws from a generator ({generator.device}) "
+            f"{where}: `fn` must run the same random ops each time it is called. (A module "
+            "made or first initialized inside `fn`, such as a submodule built on the first "
+            "call or a lazy module, draws its initial weights in the forward only: call the "
+            "model once before remat.)"
+        )
