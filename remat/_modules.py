@@ -264,6 +264,7 @@ def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
 aten = torch.ops.aten
 # The kernels that write the running statistics (arguments 3 and 4) in training.
 BATCH_NORM_OPS = frozenset(
@@ -377,6 +378,7 @@ class ModuleState:
         "snapshots",
         "statistics",
         "taken",
+        "uninitialized",
         "watching",
         "written",
     )
@@ -396,6 +398,7 @@ class ModuleState:
         # move with it). Their snapshots are of the plain tensor.
         self.chains: dict[int, tuple[list[tuple[int, int | None, bool]], int]] = {}
         self.sharded: list[_Slot] = []  # FSDP2's sharded parameters, for their versions only
+        self.uninitialized: list[str] = []  # a lazy module's tensors, not made yet
         # Reached by reference, and their versions (at entry, then when the forward ended).
         self.loose: list[tuple[torch.Tensor, int]] = []
         # A watched forward (the first of some module or owner in this training mode): what
@@ -464,6 +467,9 @@ class ModuleState:
                 for name, t in table.items():
                     if t is None:
                         continue
+                    if type(t) in _UNINITIALIZED:  # a lazy module's, until its first forward
+                        state.uninitialized.append(f"{type(sub).__name__}.{name}")
+                        continue  # (the recompute reads what that forward made)
                     if table is sub._parameters and id(sub) in owned:
                         if dtensor is not None and isinstance(t, dtensor):
                             state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
@@ -495,6 +501,17 @@ class ModuleState:
         if not (state.slots or state.loose or state.watching or state.sharded):
             return None
         return state
+
+    def refuse_lazy(self, policy: Any) -> None:
+        """Per-op policies record every op on the tensors they read, and a lazy module's
+        uninitialized parameters refuse every read but their own initialization."""
+        if self.uninitialized:
+            raise RuntimeError(
+                f"`remat`: the policy {policy!r} records each op of the region, and the lazy "
+                f"module tensors {', '.join(self.uninitialized)} are not initialized yet. Run "
+                "the model once before its first remat call (a forward under "
+                "`torch.no_grad()` initializes them), or use the default policy."
+            )
 
     def _wrapped(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """Slot ``i``'s plain tensor; the wrappers around it, if any, go to `chains`."""

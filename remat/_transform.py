@@ -140,6 +140,8 @@ def remat(
         reached = reachable(fn, leaves)
         owner = owner_of(fn, args[0] if args else None)
         modules = ModuleState.capture(owner, reached, leaves, structure)
+        if resolved.per_op and modules is not None:
+            modules.refuse_lazy(resolved)
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []

@@ -735,3 +735,34 @@ def test_writes_no_op_shows_are_made_once(policy):
         return results
 
     assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
+
+
+def _lazy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2)).to(DTYPE)
+
+
+def _lazy_steps(model: nn.Module) -> Any:
+    results = []
+    for step in range(2):
+        model.zero_grad()
+        out = model(_batch(step))
+        out.sum().backward()
+        results += [out.detach(), [p.grad for p in model.parameters()]]
+    return results
+
+
+def test_lazy_module_initialized_inside_a_region():
+    """A lazy module whose first forward is a region's: the default policy gives plain's
+    outputs and gradients (it crashed reading the uninitialized parameters). A per-op
+    policy raises at the call, naming them; after a forward under ``no_grad`` it runs."""
+    assert_tree_equal(_lazy_steps(remat.apply(_lazy())), _lazy_steps(_lazy()))
+    lazy = remat.apply(_lazy(), policy="save_matmuls")
+    with pytest.raises(RuntimeError, match=r"LazyLinear\.weight, LazyLinear\.bias"):
+        lazy(_batch(0))
+    with torch.no_grad():
+        lazy(_batch(0))
+    plain = _lazy()
+    with torch.no_grad():
+        plain(_batch(0))
+    assert_tree_equal(_lazy_steps(lazy), _lazy_steps(plain))
