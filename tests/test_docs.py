@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from torch.func import hessian, jacfwd, jvp, vjp
 import remat
 from remat import policies
 from remat import remat as rematerialize
+from tests.helpers import assert_tree_equal
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -423,3 +425,36 @@ def test_saved_value_modified_in_place_runs_where_plain_raises(policy):
     out.mul_(2)
     out.sum().backward()
     assert torch.equal(x.grad, 2 * x.detach().exp())
+
+
+def _fork_and_seed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        noise = torch.rand(x.shape, dtype=x.dtype)
+    return torch.nn.functional.dropout((x @ w).tanh() * noise, 0.5).sin()
+
+
+def _drawn_in_a_worker(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    found = []
+    worker = threading.Thread(target=lambda: found.append((x @ w).tanh() * torch.rand(x.shape)))
+    worker.start()
+    worker.join()
+    return (found[0] * x).sin()
+
+
+@pytest.mark.parametrize("fn", [_fork_and_seed, _drawn_in_a_worker])
+def test_first_call_rng_limits_of_the_default_policy(fn):
+    """The default policy's first call (its recompute replays on clones of the generators)
+    gives other gradients, with no error, where ``fn`` seeds the default generator inside
+    ``torch.random.fork_rng`` and draws after the fork, or draws in a thread it starts
+    (remat's capture is per thread). Later calls give plain's."""
+
+    def grads(f: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(0)
+        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        w = torch.linspace(0, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+        return torch.autograd.grad(f(x, w).sum(), (x, w))
+
+    region = rematerialize(fn)
+    assert not torch.equal(grads(region)[1], grads(fn)[1]), STALE
+    assert_tree_equal(grads(region), grads(fn))
