@@ -15,8 +15,9 @@ two ways:
 - Without it, the default generators (CPU, and CUDA devices in use) and the
   explicit generators the region can see are read before the forward, and a
   state is kept only if it changed. The recompute lends each kept state to its
-  generator and gives the caller's state back when it ends; when other threads
-  are alive by then, it replays on private clones instead (under the mode).
+  generator and gives the caller's state back when it ends (also under the mode,
+  a region's first calls', which checks its random ops are the forward's); when
+  other threads are alive by then, it replays on private clones instead.
 
 Either way the caller's generators end where plain autograd leaves them. A nested
 region's recompute inside this region's forward or recompute replays its own numbers:
@@ -329,7 +330,14 @@ class RngCapture:
         return dict(self.snapshot) if self.snapshot else self.states
 
     def replay(self, per_op: bool) -> RngReplay:
-        """Clones to replay on; ``per_op`` if the forward captured each random op."""
+        """Clones to replay on; ``per_op`` if the forward captured each random op.
+
+        Without per-op states and with no other thread alive, the states are lent to the
+        generators themselves, as without a mode: ``fn`` then drives them as it did in the
+        forward (seeds one inside ``fork_rng``, draws in a thread it starts)."""
+        ops = None if self.ops is None else list(reversed(self.ops))
+        if not per_op and not threaded():
+            return RngReplay({g: g for g in self.lendable()}, {}, per_op, ops, self.lendable())
         clones, draws = {}, {}
         for generator, state in self.lendable().items():
             clone = torch.Generator(device=generator.device)
@@ -337,7 +345,6 @@ class RngCapture:
             clones[generator] = clone
             if generator in self.draws:
                 draws[clone] = list(reversed(self.draws[generator]))
-        ops = None if self.ops is None else list(reversed(self.ops))
         return RngReplay(clones, draws, per_op, ops)
 
 
@@ -406,9 +413,11 @@ class RngReplay:
     otherwise draws on from where the forward started. A generator ``fn`` seeds (or sets)
     itself acts on the generator, not the clone: the clone takes the state it set (as
     the forward drew from it), and the generator gets the caller's state back at the end.
+    Where the states are ``lent``, each generator is its own clone (`RngCapture.replay`),
+    and every generator gets the caller's state back.
     """
 
-    __slots__ = ("caller", "clones", "depth", "draws", "ops", "per_op")
+    __slots__ = ("caller", "clones", "depth", "draws", "lent", "ops", "per_op")
 
     def __init__(
         self,
@@ -416,8 +425,10 @@ class RngReplay:
         draws: dict[torch.Generator, list[tuple[torch.Tensor, Any]]],
         per_op: bool,
         ops: list[Any] | None = None,
+        lent: dict[torch.Generator, torch.Tensor] | None = None,
     ) -> None:
-        self.clones = clones
+        self.clones = clones  # each generator its own clone where its state is ``lent``
+        self.lent = lent
         self.draws = draws  # clone -> the forward's ops and their states, last first
         self.ops = ops  # a watched forward's random ops, last first (`RngCapture.saw`)
         # Without per-op capture, a default generator the forward left unchanged is one
@@ -433,12 +444,14 @@ class RngReplay:
         for generator in dict.fromkeys([*self.clones, *_default_generators()]):
             state = generator.get_state()
             self.caller[generator] = (state, _bytes(state), False)
+        for generator, state in (self.lent or {}).items():
+            generator.set_state(state)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _exit_recompute()
         for generator, (state, seen, set_inside) in self.caller.items():
-            if set_inside or _set_inside(generator, seen, state):
+            if self.lent is not None or set_inside or _set_inside(generator, seen, state):
                 generator.set_state(state)
 
     def _follow(self, generator: torch.Generator, clone: torch.Generator) -> None:
@@ -476,8 +489,10 @@ class RngReplay:
         if clone is None and "generator" in kwargs and _fresh(generator):
             self.clones[generator] = clone = generator  # made and seeded inside ``fn``
         if clone is None and "generator" not in kwargs and not self.per_op:
-            clone = torch.Generator(device=generator.device)
-            clone.set_state(generator.get_state())  # whatever it draws, not from the caller's
+            clone = generator  # whatever it draws, the caller's state comes back (lent)
+            if self.lent is None:  # or not from the caller's
+                clone = torch.Generator(device=generator.device)
+                clone.set_state(generator.get_state())
             self.clones[generator] = clone
         if clone is None:
             raise RecomputeError(
@@ -495,7 +510,9 @@ class RngReplay:
                     "random ops each time it is called."
                 )
             clone.set_state(_drawn_by(states.pop(), func, clone))
-        elif clone is not generator:
+        elif self.lent is not None:  # each generator its own clone
+            return func(*args, **kwargs)
+        else:
             self._follow(_find_original(self.clones, generator), clone)
         return _draw(func, args, kwargs, generator, clone)
 
