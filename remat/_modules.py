@@ -370,6 +370,7 @@ class ModuleState:
         "learners",
         "loose",
         "lost",
+        "modes",
         "scratch",
         "seen_as",
         "settled",
@@ -415,6 +416,9 @@ class ModuleState:
         self.ended: list[int] = []  # slot index -> version when the forward ended
         self.lost: list[_Slot] = []  # updated by the forward, with no snapshot
         self.written: list[torch.Tensor] = []  # loose tensors the forward wrote
+        # Every module's training flag at entry: the recompute runs in the forward's modes
+        # (a model switched to ``eval()`` before the backward).
+        self.modes: list[tuple[nn.Module, bool]] = []
 
     @classmethod
     def capture(
@@ -451,6 +455,7 @@ class ModuleState:
             state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
         unlearned = [] if seen else [owner]
         submodules = _submodules(reached.modules)
+        state.modes = [(sub, sub.training) for sub in submodules]
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
@@ -498,7 +503,7 @@ class ModuleState:
                         for i, slot in enumerate(state.slots)
                         if slot.table is None or slot.table is slot.module._buffers
                     }
-        if not (state.slots or state.loose or state.watching or state.sharded):
+        if not (state.slots or state.loose or state.watching or state.sharded or submodules):
             return None
         return state
 
@@ -608,7 +613,8 @@ class ModuleState:
     def pinned(
         self, wrap: Callable[[list[tuple[int, int | None, bool]], torch.Tensor], torch.Tensor]
     ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
-        """Within the block, every slot shows what the forward read from it.
+        """Within the block, every slot shows what the forward read from it, and every
+        module is in the training mode the forward began in.
 
         ``wrap`` wraps a plain copy as a slot's wrappers (`chains`) did, at the
         recompute's levels.
@@ -707,11 +713,16 @@ class ModuleState:
         previous = [(table, name, table.get(name)) for table, name, _ in swaps]
         for table, name, t in swaps:
             table[name] = t
+        flipped = [(m, m.training) for m, training in self.modes if m.training != training]
+        for module, training in flipped:
+            module.training = not training
         try:
             yield copies
         finally:
             for table, name, t in previous:
                 table[name] = t
+            for module, training in flipped:
+                module.training = training
 
 
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:

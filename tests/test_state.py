@@ -464,6 +464,51 @@ def test_parameter_stepped_between_forward_and_backward_raises(policy):
         out.backward()
 
 
+@pytest.mark.parametrize("switch", ["train_to_eval", "eval_to_train"])
+@each_policy
+def test_mode_switched_between_forward_and_backward(policy, switch):
+    """A model switched between ``train()`` and ``eval()`` after the forward and before
+    its backward (an evaluation pass in between): the recompute runs in the forward's
+    modes, dropout and batch norm included, on every call. The default policy recomputed
+    in the new mode, silently, where the input needs no grad (found by a probe)."""
+    torch.manual_seed(0)
+    plain, model = _switched_net(), _switched_net()
+    expected = _steps_switching(plain, plain, switch)
+    region = remat.remat(model, policy=policy)
+    assert_tree_equal(_steps_switching(region, model, switch), expected)
+
+
+def test_torch_checkpoint_recomputes_in_the_current_mode():
+    """As docs/how-it-works.md compares: torch's checkpoint recomputes in the mode a model
+    was switched to before the backward: its gradients differ from plain autograd's (with
+    batch norm, its metadata check raises)."""
+    plain, model = _switched_net(norm=False), _switched_net(norm=False)  # (else it raises)
+    expected = _steps_switching(plain, plain, "train_to_eval")
+
+    def checkpointed(x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(model, x, use_reentrant=False)
+
+    got = _steps_switching(checkpointed, model, "train_to_eval")
+    assert not torch.equal(got[0], expected[0])
+
+
+def _switched_net(norm: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    layers = (nn.Dropout(0.5), nn.Linear(6, 6), nn.BatchNorm1d(6) if norm else nn.Identity())
+    return nn.Sequential(*layers, nn.Tanh()).to(DTYPE)
+
+
+def _steps_switching(f: Callable[..., torch.Tensor], model: nn.Module, switch: str) -> Any:
+    """3 steps, switching ``model``'s mode between each forward and its backward."""
+    torch.manual_seed(1)
+    for step in range(3):
+        model.train(switch == "train_to_eval")
+        out = f(_batch(step)).sin().sum()
+        model.train(switch != "train_to_eval")
+        out.backward()
+    return [*(p.grad for p in model.parameters()), *model.buffers(), torch.get_rng_state()]
+
+
 class _UpdatedThenReplaced(nn.Module):
     """Updates its buffer in place, then replaces it with a new tensor."""
 
