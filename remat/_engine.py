@@ -262,6 +262,31 @@ def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
         yield
 
 
+_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hooks_added(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """What removes the tensor hooks a recompute registers on ``tensors``, from before it.
+
+    ``fn`` registers them in its forward too (a forward hook that hooks its module's input,
+    as attribution libraries do): the recompute's would run a second time.
+    """
+    before = []
+    for t in tensors:
+        for name in _HOOKS:
+            hooks = getattr(t, name, None)  # (mostly None)
+            before.append((t, name, set(hooks) if hooks else ()))
+
+    def remove() -> None:
+        for t, name, had in before:
+            hooks = getattr(t, name, None)
+            if hooks:
+                for key in [key for key in hooks if key not in had]:
+                    del hooks[key]
+
+    return remove
+
+
 class _Setting:
     """What a region's recompute re-establishes from its forward, built at the forward.
 
@@ -361,6 +386,8 @@ class _Setting:
         if swap:
             call = region.tree_map(lambda x: swap.get(id(x), x), call)
             tensors = [swap.get(id(t), t) for t in tensors]
+        slots = self.modules.slots if self.modules else ()
+        stack.callback(_hooks_added(tensors + [slot.tensor for slot in slots]))
         replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
         if replayer is not None:
             stack.callback(replayer.close)

@@ -507,3 +507,17 @@ for fn in (fork_and_seed, drawn_in_a_worker):
                 outcome = "raises"
             print(fn.__name__, policy, alive, outcome)
 """
+
+
+def test_module_hooks_registered_inside_fn_are_registered_again():
+    """Side effects in ``fn`` run again in the recompute: a module hook ``fn`` registers is
+    registered twice per step (tensor hooks on tensors from outside ``fn`` are removed
+    again: `test_state.py::test_tensor_hooks_registered_inside_fn_run_once`)."""
+    linear = torch.nn.Linear(3, 3)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        linear.register_forward_hook(lambda *args: None)
+        return linear(x).sin()
+
+    rematerialize(fn)(torch.ones(2, 3)).sum().backward()
+    assert len(linear._forward_hooks) == 2, STALE

@@ -509,6 +509,35 @@ def _steps_switching(f: Callable[..., torch.Tensor], model: nn.Module, switch: s
     return [*(p.grad for p in model.parameters()), *model.buffers(), torch.get_rng_state()]
 
 
+@each_policy
+def test_tensor_hooks_registered_inside_fn_run_once(policy):
+    """Tensor hooks ``fn`` registers on tensors from outside it, as attribution libraries
+    do from a forward hook: on the region's input (scaling its gradient), on a parameter,
+    and a post-accumulate-grad hook; 3 steps give plain's gradients and hook calls. The
+    recompute registered them again, and they ran twice (found by a probe)."""
+
+    def run(wrap: Callable[[nn.Module], Callable[..., Any]]) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).to(DTYPE)
+        calls: list[str] = []
+
+        def hook_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            args[0].register_hook(lambda g: calls.append("input") or g * 0.5)
+            module.weight.register_hook(lambda g: calls.append("weight") or g * 2)
+            module.bias.register_post_accumulate_grad_hook(lambda p: calls.append("bias"))
+
+        model[0].register_forward_pre_hook(hook_input)
+        f = wrap(model)
+        grads = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            f(x).sin().sum().backward()
+            grads.append([x.grad, *(p.grad.clone() for p in model.parameters())])
+        return grads, calls
+
+    assert_tree_equal(run(lambda m: remat.remat(m, policy=policy)), run(lambda m: m))
+
+
 class _UpdatedThenReplaced(nn.Module):
     """Updates its buffer in place, then replaces it with a new tensor."""
 
