@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -46,6 +47,13 @@ class _Forward:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"remat({type(self.module).__name__}.forward, {options})"
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The forward's own: code reads it to choose what to pass (Hugging Face's
+        ``generate`` builds ``position_ids`` only for a ``forward`` that names them)."""
+        forward = self.inner or type(self.module).forward.__get__(self.module)
+        return inspect.signature(forward)
 
 
 class _Checked(_Forward):

@@ -347,13 +347,17 @@ def test_unapply_restores_plain(name):
     assert model(input_ids=ids).past_key_values.get_seq_length() == SEQ
 
 
-def _generate(model: Any) -> Any:
-    """Greedy decoding of 8 tokens after the first half of `_ids`, with every step's scores."""
+def _generate(model: Any, padded: bool = False) -> Any:
+    """Greedy decoding of 8 tokens after the first half of `_ids`, with every step's scores;
+    ``padded``: the first prompt's first 3 tokens are left padding."""
     prompt = _ids()[:, : SEQ // 2]
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[0, :3] = 0
     torch.manual_seed(7)  # the same dropout masks in train mode
     return model.generate(
         input_ids=prompt,
-        attention_mask=torch.ones_like(prompt),
+        attention_mask=mask,
         max_new_tokens=8,
         min_new_tokens=8,
         do_sample=False,
@@ -363,17 +367,21 @@ def _generate(model: Any) -> Any:
     )
 
 
+@pytest.mark.parametrize("where", ["layers", "model"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
-def test_generate_equals_plain(name, mode):
-    """`generate()` after `remat.apply`, in train mode too: the tokens and every step's
-    scores are bitwise plain's (without autograd the layers keep the KV cache)."""
+def test_generate_equals_plain(name, mode, where):
+    """`generate()` after `remat.apply` on the layers or on the whole model, in train mode
+    too, with a left-padded prompt: the tokens and every step's scores are bitwise plain's
+    (without autograd the layers keep the KV cache). `generate` reads the signature of
+    ``model.forward``: on the whole model, a ``(*args, **kwargs)`` one made it build no
+    ``position_ids`` from the mask, and GPT-2 generated other tokens (found by a probe)."""
     model, layer = _model(name)
     plain = copy.deepcopy(model)
-    remat.apply(model, layer)
+    remat.apply(model, layer if where == "layers" else None)
     model.train(mode == "train")
     plain.train(mode == "train")
-    got, expected = _generate(model), _generate(plain)
+    got, expected = _generate(model, padded=True), _generate(plain, padded=True)
     assert torch.equal(got.sequences, expected.sequences)
     assert len(expected.scores) == 8
     _assert_same(expected.scores, got.scores)
