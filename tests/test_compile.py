@@ -313,6 +313,25 @@ def test_saved_tensors_hooks_see_what_a_broken_regions_policy_keeps():
     assert kept == [respects, respects]
 
 
+def test_in_place_op_on_a_kept_value_in_a_broken_region_raises():
+    """As docs/limitations.md says: in a region with a graph break, torch's selective
+    checkpoint refuses an in-place op on a value the policy keeps; eager remat runs it."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        h.mul_(2)
+        torch._dynamo.graph_break()
+        return (h.sin() @ w).sum()
+
+    x = torch.linspace(-1, 1, 16, dtype=DTYPE).view(4, 4)
+    w = torch.linspace(0, 1, 16, dtype=DTYPE).view(4, 4).requires_grad_()
+    region = remat.remat(f, policy="save_matmuls")
+    assert torch.equal(torch.autograd.grad(region(x, w), w)[0], torch.autograd.grad(f(x, w), w)[0])
+    out = torch.compile(region, backend="aot_eager")(x, w)
+    with pytest.raises(RuntimeError, match="mutated"):
+        out.backward()
+
+
 def test_compiled_apply_and_checkpoint_trace_too():
     expected = _steps(_model(_plain), steps=1)
     applied = remat.apply(_model(_plain), Block, policy="save_matmuls")

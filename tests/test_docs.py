@@ -13,6 +13,8 @@ docs/limitations.md (and the pages that link to it), then the test.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import re
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from torch.func import hessian, jacfwd, jvp, vjp
 import remat
 from remat import policies
 from remat import remat as rematerialize
+from tests.helpers import assert_tree_equal
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -521,3 +524,112 @@ def test_module_hooks_registered_inside_fn_are_registered_again():
 
     rematerialize(fn)(torch.ones(2, 3)).sum().backward()
     assert len(linear._forward_hooks) == 2, STALE
+
+
+def test_callers_saved_tensor_hooks_do_not_see_the_regions_values():
+    """The caller's pack hooks see no value saved inside a region: ``save_on_cpu`` gives
+    plain's gradients, a float16 round trip (lossy) other ones."""
+    w = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).tanh() * (x @ w).exp()).sum()
+
+    def grad(f: Callable[..., torch.Tensor], hooks: Any) -> torch.Tensor:
+        x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4)
+        with hooks():
+            y = f(x)
+        return torch.autograd.grad(y, w)[0]
+
+    def lossy() -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t.to(torch.float16), lambda t: t.to(torch.float64)
+        )
+
+    region = rematerialize(fn)
+    assert torch.equal(
+        grad(region, torch.autograd.graph.save_on_cpu), grad(fn, contextlib.nullcontext)
+    )
+    assert not torch.equal(grad(region, lossy), grad(fn, lossy)), STALE
+
+
+def _weight_normed() -> torch.nn.Module:
+    torch.manual_seed(0)
+    linear = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4))
+    return torch.nn.Sequential(linear, torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
+
+
+def test_backward_inside_parametrize_cached_raises():
+    """Inside ``parametrize.cached()`` the recompute skips the parametrization: it raises;
+    with the backward after the block, plain's gradients."""
+    from torch.nn.utils import parametrize
+
+    x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4)
+    plain, model = _weight_normed(), _weight_normed()
+    with parametrize.cached():
+        out = rematerialize(model)(x).sin().sum()
+        with pytest.raises(remat.RecomputeError):
+            out.backward()
+    with parametrize.cached():
+        out, expected = rematerialize(model)(x).sin().sum(), plain(x).sin().sum()
+    out.backward()
+    expected.backward()
+    assert_tree_equal([p.grad for p in model.parameters()], [p.grad for p in plain.parameters()])
+
+
+class _BuiltOnFirstCall(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "norm"):
+            self.norm = torch.nn.BatchNorm1d(4).double()
+        return self.norm(self.linear(x)).tanh()
+
+
+def test_submodule_built_on_the_first_call_updating_buffers_raises():
+    """A batch norm built inside ``fn`` on its first call: the recompute updates its
+    statistics again, and raises; after a first call, plain's."""
+    x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4)
+    model = _BuiltOnFirstCall()
+    with pytest.raises(remat.RecomputeError, match="writes in place"):
+        rematerialize(model)(x).sum().backward()
+    torch.manual_seed(0)
+    plain = _BuiltOnFirstCall()
+    model = copy.deepcopy(plain)
+    with torch.no_grad():
+        plain(x), model(x)
+    rematerialize(model)(x).sum().backward()
+    plain(x).sum().backward()
+    assert_tree_equal(
+        [*model.parameters(), *model.buffers()], [*plain.parameters(), *plain.buffers()]
+    )
+
+
+def test_optimizer_step_in_backward_with_a_region_reaching_every_layer_raises():
+    """An optimizer step per parameter inside the backward: a region per layer through a
+    closure over all layers raises as a later layer is stepped; a region per module trains
+    as plain."""
+
+    def train(wrap: Callable[..., Any]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList([torch.nn.Linear(4, 4).double() for _ in range(2)])
+        steps = {p: torch.optim.SGD([p], lr=0.1) for p in layers.parameters()}
+        for p in layers.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: steps[p].step())
+        regions = wrap(layers)
+        for step in range(2):
+            x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4) + step
+            regions[1](regions[0](x)).pow(2).sum().backward()
+        return list(layers.parameters())
+
+    def through_a_closure(layers: torch.nn.ModuleList) -> list[Callable[..., Any]]:
+        region = rematerialize(lambda x, i: layers[i](x).tanh())
+        return [functools.partial(region, i=i) for i in range(2)]
+
+    with pytest.raises(RuntimeError, match="modified in place between the forward"):
+        train(through_a_closure)
+    per_module = train(lambda layers: [rematerialize(lambda x, m=m: m(x).tanh()) for m in layers])
+    assert_tree_equal(
+        per_module, train(lambda layers: [lambda x, m=m: m(x).tanh() for m in layers])
+    )
