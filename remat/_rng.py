@@ -238,10 +238,12 @@ def _takes_generator(func: Any) -> bool:
 
 def _draw(func: Any, args: Any, kwargs: Any, generator: torch.Generator, private: Any) -> Any:
     """Run random op ``func`` (whose generator is ``generator``) on ``private`` instead."""
-    if _takes_generator(func):
+    subclass = any(type(a) is not torch.Tensor and isinstance(a, torch.Tensor) for a in args)
+    if _takes_generator(func) and not subclass:
         return func(*args, **{**kwargs, "generator": private})
-    # No `generator=` in the schema (CUDA's fused native_dropout): lend the private
-    # state to the default generator for this one op.
+    # No `generator=` in the schema (CUDA's fused native_dropout), or a tensor subclass's,
+    # whose dispatch may draw from the default generator whatever it is given (DTensor):
+    # lend the private state to the op's generator for this one op.
     caller_state = generator.get_state()
     generator.set_state(private.get_state())
     try:

@@ -32,7 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -358,6 +358,28 @@ def _memory(setup: str) -> dict[str, Any]:
     return found
 
 
+def _dtensor_dropout(policy: str) -> dict[str, Any]:
+    """A region whose activations are DTensors (replicated, as tensor parallelism makes),
+    with dropout: DTensor's dropout draws from the default generator whatever generator
+    it is given, so a per-op policy's capture and replay lend it their states."""
+
+    def block(x: Any, w: Any) -> Any:
+        return F.dropout(torch.tanh(x @ w), 0.5).sin()
+
+    found = {}
+    for how, f in (("plain", block), ("remat", remat.remat(block, policy=policy))):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(distribute_tensor(torch.eye(WIDTH, dtype=torch.float64), mesh()))
+        for step in range(STEPS):
+            x = distribute_tensor(batch(step), mesh())
+            f(x, w).sum().backward()
+            found[f"{how} step {step} grad"] = local(w.grad)
+        found[f"{how} generator"] = torch.get_rng_state()
+    remat_found = {k.removeprefix("remat "): v for k, v in found.items() if k.startswith("remat")}
+    plain_found = {k.removeprefix("plain "): v for k, v in found.items() if k.startswith("plain")}
+    return {"differences": differences(plain_found, remat_found)}
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp": lambda: compare(_ddp),
     "ddp-static-graph": lambda: compare(functools.partial(_ddp, static_graph=True)),
@@ -390,6 +412,8 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "fsdp2-region-around-unit-save-matmuls": lambda: _around("save_matmuls"),
     "fsdp2-region-around-root": lambda: compare(_around_root),
     "fsdp2-torchtitan-moe-checkpoint-wrapper": lambda: compare(_torchtitan),
+    "dtensor-dropout-save-nothing": lambda: _dtensor_dropout("save_nothing"),
+    "dtensor-dropout-save-matmuls": lambda: _dtensor_dropout("save_matmuls"),
     "memory-ddp": lambda: _memory("ddp"),
     "memory-fsdp2": lambda: _memory("fsdp2"),
     "memory-fsdp2-unit-inside-region": lambda: _memory("fsdp2-unit-inside-region"),
