@@ -28,6 +28,7 @@ from ._errors import (
     TraceEntry,
     changed_since_forward,
     debugging,
+    describe,
     describe_meta,
     diff_traces,
     node_op,
@@ -845,6 +846,7 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
             raise
         if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
             raise Restart
+        pack.check_versions()
         stopped = pack.stopped
     if stopped:
         return pack.values  # (detached as the recompute ended: `_RecomputePack.finish`)
@@ -879,6 +881,8 @@ class _RecomputePack:
         self.needed, self.remaining = needed, len(needed)
         self.producers = producers and replayer is None
         self.values: dict[int, Any] = {}
+        # Each value's tensor and version as it was saved, until the recompute ends.
+        self.versions: list[tuple[int, torch.Tensor, int]] = []
         self.kinds = iter(region.kinds)
         self.count = 0
         self.stopped = False
@@ -927,11 +931,25 @@ class _RecomputePack:
                     self.replayer.handed_back(value)
             if index in self.needed and index not in self.values:
                 self.values[index] = value
+                self.versions.append((index, t, t._version))
                 self.remaining -= 1
         if not self.remaining:
             self.stopped = True
             raise _Stop
         return value
+
+    def check_versions(self) -> None:
+        """Raise, as plain autograd's unpack does, if ``fn`` modified a value in place after
+        an op saved it (the recompute ran on past the write, which its value now shows)."""
+        versions, self.versions = self.versions, []  # (they hold the recompute's graph)
+        for index, t, version in versions:
+            if t._version != version:
+                raise RuntimeError(
+                    "`remat`: one of the values saved for the backward was modified by an "
+                    f"inplace operation inside `fn` after it was saved (value #{index}, "
+                    f"{describe(t)}, version {version} -> {t._version}). Plain autograd "
+                    "raises here too. Compute the modified value out of place."
+                )
 
     def unpack(self, packed: Any) -> Any:
         """The recompute's unpack hook (``fn`` may run a backward inside)."""

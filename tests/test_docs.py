@@ -428,6 +428,44 @@ def test_saved_value_modified_in_place_runs_where_plain_raises(policy):
     assert torch.equal(x.grad, 2 * x.detach().exp())
 
 
+def test_value_written_inside_fn_after_it_was_saved():
+    """Written inside ``fn`` after ``sin`` saved it: with no later op saving it, remat runs
+    where plain raises, and gives the gradient of what the program computed; with a later
+    op saving it, remat raises as plain does, also where ``allow_mutation_on_saved_tensors``
+    lets plain run, and torch's checkpoint gives other gradients."""
+    from torch.autograd.graph import allow_mutation_on_saved_tensors
+    from torch.utils.checkpoint import checkpoint
+
+    def unsaved(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp()
+        y = h.sin()
+        h.add_(1)
+        return y + h
+
+    def saved(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp()
+        y = h.sin()
+        h.add_(1)
+        return y * h
+
+    def grad(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True)
+        return torch.autograd.grad(f(x).sum(), x)[0]
+
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    for f in (unsaved, saved):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            grad(f)
+    torch.testing.assert_close(grad(rematerialize(unsaved)), x.exp() * x.exp().cos() + x.exp())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(rematerialize(saved))
+    with allow_mutation_on_saved_tensors():
+        expected = grad(saved)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            grad(rematerialize(saved))
+    assert not torch.allclose(grad(lambda x: checkpoint(saved, x, use_reentrant=False)), expected)
+
+
 def test_fn_driving_the_rng_itself(tmp_path):
     """``fn`` seeding the default generator inside ``torch.random.fork_rng``, or drawing
     in a thread it starts: with no other thread alive, plain's gradients and generator

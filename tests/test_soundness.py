@@ -989,6 +989,39 @@ def test_generator_seeded_inside_fn(device, policy):
     assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
 
 
+def _written_after_saved(write):
+    def f(x, w):
+        h = x @ w
+        y = h.sin()  # saves h
+        write(h)
+        return y * h  # saves h again: the recompute runs past the write
+
+    return f
+
+
+WRITES_AFTER_SAVED = {
+    "add_": lambda h: h.add_(1),
+    "narrow_copy_": lambda h: h.narrow(1, 0, 2).copy_(torch.ones(3, 2, dtype=h.dtype)),
+    "swapaxes_mul_": lambda h: h.swapaxes(0, 1).mul_(2),
+    "index_put_accumulate": lambda h: h.index_put_((torch.tensor([0, 0]),), h[1] * 2, True),
+    "exp_": lambda h: h.exp_(),
+}
+
+
+@pytest.mark.parametrize("write", WRITES_AFTER_SAVED.values(), ids=WRITES_AFTER_SAVED.keys())
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_value_written_inside_fn_after_it_was_saved_raises(policy, write):
+    """``fn`` writes in place a value an op saved, and a later op saves it again: plain
+    autograd raises, and so does remat. The recompute ran on past the write, which the
+    first op's value then showed: other gradients, with no error (found by a probe)."""
+    f = _written_after_saved(write)
+    x, w = _randn(0, 3, 4, requires_grad=False), _randn(1, 4, 4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        f(x, w).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        remat(f, policy=policy)(x, w).sum().backward()
+
+
 # 12. Bad arguments, and fn that swallows exceptions -------------------------------------------
 
 
