@@ -239,9 +239,13 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
-def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
-    """Every module under ``modules`` (themselves included), each once, depth first."""
+def _submodules(
+    modules: list[nn.Module],
+) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
+    """Every module under ``modules`` (themselves included), each once, depth first; and
+    where each submodule is held (its parent's table, its name)."""
     found: list[nn.Module] = []
+    held: list[tuple[dict[str, Any], str, nn.Module]] = []
     seen: set[int] = set()
     stack: list[Any] = modules[::-1]
     while stack:
@@ -249,8 +253,10 @@ def _submodules(modules: list[nn.Module]) -> list[nn.Module]:
         if module is not None and id(module) not in seen:
             seen.add(id(module))
             found.append(module)
-            stack.extend(reversed(module._modules.values()))
-    return found
+            table = module._modules
+            held.extend((table, name, child) for name, child in table.items())
+            stack.extend(reversed(table.values()))
+    return found, held
 
 
 def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
@@ -367,6 +373,7 @@ class ModuleState:
         "copies",
         "ended",
         "generators",
+        "held",
         "learners",
         "loose",
         "lost",
@@ -419,6 +426,9 @@ class ModuleState:
         # Every module's training flag at entry: the recompute runs in the forward's modes
         # (a model switched to ``eval()`` before the backward).
         self.modes: list[tuple[nn.Module, bool]] = []
+        # Where each submodule was held at entry: the recompute runs the forward's (a
+        # submodule replaced before the backward, as a teacher swap does).
+        self.held: list[tuple[dict[str, Any], str, nn.Module]] = []
 
     @classmethod
     def capture(
@@ -454,7 +464,7 @@ class ModuleState:
                 state._wrapped(len(state.slots), x)
             state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
         unlearned = [] if seen else [owner]
-        submodules = _submodules(reached.modules)
+        submodules, state.held = _submodules(reached.modules)
         state.modes = [(sub, sub.training) for sub in submodules]
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
@@ -613,8 +623,9 @@ class ModuleState:
     def pinned(
         self, wrap: Callable[[list[tuple[int, int | None, bool]], torch.Tensor], torch.Tensor]
     ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, int]]]:
-        """Within the block, every slot shows what the forward read from it, and every
-        module is in the training mode the forward began in.
+        """Within the block, every slot shows what the forward read from it, every
+        submodule is where it was, and every module is in the training mode the forward
+        began in.
 
         ``wrap`` wraps a plain copy as a slot's wrappers (`chains`) did, at the
         recompute's levels.
@@ -710,6 +721,7 @@ class ModuleState:
                     slot.tensor._version,
                     "Step the optimizer after the backward.",
                 )
+        swaps.extend(held for held in self.held if held[0].get(held[1]) is not held[2])
         previous = [(table, name, table.get(name)) for table, name, _ in swaps]
         for table, name, t in swaps:
             table[name] = t

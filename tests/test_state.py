@@ -464,6 +464,33 @@ def test_parameter_stepped_between_forward_and_backward_raises(policy):
         out.backward()
 
 
+@each_policy
+def test_submodule_replaced_between_forward_and_backward(policy):
+    """A submodule replaced after the forward and before its backward (a teacher or EMA
+    swap), in a Sequential and as an attribute: the recompute runs the forward's modules,
+    and the gradients are plain's, 3 steps. The default policy ran the new module, with
+    no error; the per-op policies raised (found by a probe)."""
+
+    def run(wrap: Callable[[nn.Module], Callable[..., Any]]) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).to(DTYPE)
+        model.extra = nn.Linear(2, 2).to(DTYPE)
+        f, grads = wrap(model), []
+        for step in range(3):
+            out = f(_batch(step)).sin().sum()
+            old = model[0], model.extra
+            model[0], model.extra = copy.deepcopy(old[0]).double(), nn.Linear(2, 2).to(DTYPE)
+            out.backward()
+            grads.append([p.grad.clone() for module in old for p in module.parameters()])
+            model[0], model.extra = old
+        return grads
+
+    def forward(model: nn.Sequential) -> Callable[..., Any]:
+        return lambda x: model.extra(model(x))
+
+    assert_tree_equal(run(lambda m: remat.remat(forward(m), policy=policy)), run(forward))
+
+
 @pytest.mark.parametrize("switch", ["train_to_eval", "eval_to_train"])
 @each_policy
 def test_mode_switched_between_forward_and_backward(policy, switch):
