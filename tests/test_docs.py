@@ -671,3 +671,112 @@ def test_optimizer_step_in_backward_with_a_region_reaching_every_layer_raises():
     assert_tree_equal(
         per_module, train(lambda layers: [lambda x, m=m: m(x).tanh() for m in layers])
     )
+
+
+def _two_matmuls(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return ((x @ w).sin() * (x @ w)).tanh() @ w
+
+
+def _w_grad(f: Callable[..., torch.Tensor], around: str = "", mode: Any = None) -> torch.Tensor:
+    """``w``'s gradient through ``f``, with ``mode`` entered ``around`` "forward" or
+    "backward" only."""
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4)
+    w = torch.linspace(0, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+    with mode if around == "forward" else contextlib.nullcontext():
+        y = f(x, w).sum()
+    with mode if around == "backward" else contextlib.nullcontext():
+        return torch.autograd.grad(y, w)[0]
+
+
+def test_dispatch_modes_are_not_replayed():
+    """A value-changing dispatch mode around the forward only or the backward only: the
+    recompute runs under the backward's modes, and the gradients differ from plain's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shifted(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            return out + 1e-3 if func is torch.ops.aten.mul.Tensor else out
+
+    for around in ("forward", "backward"):
+        got = _w_grad(rematerialize(_two_matmuls), around, Shifted())
+        assert not torch.equal(got, _w_grad(_two_matmuls, around, Shifted())), STALE
+
+
+def test_default_dtype_changed_before_the_backward():
+    """Global state read by ``fn`` and changed before the backward (the default dtype of
+    a constant it makes): other gradients under the default policy, with no error."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _two_matmuls(x * torch.linspace(0, 1.3, 4).to(x.dtype), w)
+
+    @contextlib.contextmanager
+    def float16_default() -> Any:
+        torch.set_default_dtype(torch.float16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+    expected = _w_grad(fn, "backward", float16_default())
+    got = _w_grad(rematerialize(fn), "backward", float16_default())
+    assert not torch.equal(got, expected), STALE
+
+
+def test_tensor_rebound_between_forward_and_backward():
+    """A closure variable rebound before the backward: other gradients under the default
+    policy, a per-op policy raises."""
+
+    def grads(wrap: Callable[..., Any]) -> torch.Tensor:
+        scale = torch.linspace(0, 1, 4, dtype=torch.float64)
+        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        y = wrap(lambda x: (x * scale).tanh().exp())(x).sum()
+        scale = scale + 1  # rebinds the closure's cell
+        return torch.autograd.grad(y, x)[0]
+
+    expected = grads(lambda f: f)
+    assert not torch.equal(grads(rematerialize), expected), STALE
+    with pytest.raises(remat.RecomputeError):
+        grads(lambda f: rematerialize(f, policy="save_matmuls"))
+
+
+def test_programs_plain_runs_where_remat_raises():
+    """A backward on a dual value after its level exited; a region inside
+    ``disable_saved_tensors_hooks``; a per-op policy with an ``autograd.Function`` that
+    builds its saved output through numpy."""
+    import numpy as np
+    import torch.autograd.forward_ad as fwad
+
+    class NumpyExp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            y = torch.from_numpy(np.exp(x.detach().numpy()))
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad * ctx.saved_tensors[0]
+
+    def dual(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4)
+        w = torch.linspace(0, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+        with fwad.dual_level():
+            primal, _ = fwad.unpack_dual(f(x, fwad.make_dual(w, torch.ones_like(w))))
+        return torch.autograd.grad(primal.sum(), w)[0]
+
+    dual(_two_matmuls)
+    with pytest.raises(remat.RecomputeError):
+        dual(rematerialize(_two_matmuls))
+    disabled = functools.partial(torch.autograd.graph.disable_saved_tensors_hooks, "no hooks")
+    _w_grad(_two_matmuls, "forward", disabled())
+    with pytest.raises(RuntimeError, match="no hooks"):
+        _w_grad(rematerialize(_two_matmuls), "forward", disabled())
+
+    def numpy_exp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return NumpyExp.apply((x @ w).tanh()) @ w
+
+    expected = _w_grad(numpy_exp)
+    assert torch.equal(_w_grad(rematerialize(numpy_exp)), expected)
+    with pytest.raises(remat.RecomputeError):
+        _w_grad(rematerialize(numpy_exp, policy="save_matmuls"))
