@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
+from torch.utils.checkpoint import noop_context_fn
 
 from ._hf import WHILE_RECORDING, switched
 from ._policies import resolve
@@ -297,8 +298,9 @@ def checkpoint(
     ``checkpoint_fn`` of torch's ``checkpoint_wrapper``.
 
     Raises:
-        ValueError: ``use_reentrant=True``, ``context_fn``, or an unknown
-            ``determinism_check``: each names what to use instead.
+        ValueError: ``use_reentrant=True``, a ``context_fn`` (but torch's default,
+            ``noop_context_fn``), or an unknown ``determinism_check``: each names what to
+            use instead.
     """
     if use_reentrant:
         raise ValueError(
@@ -306,7 +308,7 @@ def checkpoint(
             "checkpoint, which remat does not emulate. Drop the argument (remat is "
             "non-reentrant, like `use_reentrant=False`)."
         )
-    if context_fn is not None:
+    if context_fn is not None and context_fn is not noop_context_fn:
         raise ValueError(
             "`remat.checkpoint`: `context_fn` (torch's selective checkpointing) is not "
             "supported; pass `policy=` instead, for example `policy='save_matmuls'` or "

@@ -206,6 +206,14 @@ def test_checkpoint_rejects_torch_options_it_does_not_emulate(options, message):
         remat.checkpoint(torch.sin, x, **options)
 
 
+def test_checkpoint_takes_torchs_default_context_fn():
+    """``context_fn=noop_context_fn``, torch's default written out, is accepted (it was
+    refused as a selective checkpointing context: found by a probe)."""
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint(torch.sin, x, context_fn=torch.utils.checkpoint.noop_context_fn)
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], x.detach().cos())
+
+
 def test_checkpoint_debug_shows_both_op_sequences_on_divergence():
     calls = []
 
