@@ -267,6 +267,11 @@ def _test(where: Where, caller: str) -> Callable[[str, torch.nn.Module], bool]:
     classes: tuple[Any, ...] = where if isinstance(where, tuple) else (where,)
     if all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
         return lambda _, module: isinstance(module, classes)
+    if isinstance(where, torch.nn.Module):
+        raise TypeError(
+            f"`remat.{caller}`: `where` got a module instance, {type(where).__name__}(...); "
+            f"pass its class, `where={type(where).__name__}`, to match every such submodule."
+        )
     if callable(where) and not isinstance(where, (type, tuple)):
         return lambda qualified, module: bool(where(qualified, module))
     raise TypeError(

@@ -419,6 +419,12 @@ def resolve(policy: Any) -> Policy:
             f"`remat`: `policy` got the aten op {policy!r}, not a policy. To keep its "
             f"outputs, pass `policy=remat.policies.save_ops({policy!r})`."
         )
+    if isinstance(policy, torch.nn.Module) or getattr(policy, "__module__", None) == "torch":
+        raise TypeError(
+            f"`remat`: `policy` got {policy!r}, a torch function or module, not a policy. "
+            "A custom policy is a callable taking an `OpCall` and returning a bool or a "
+            "`Decision`; to keep an op's outputs, pass `remat.policies.save_ops(...)`."
+        )
     if callable(policy) and not isinstance(policy, type):
         return _Custom(policy)
     raise TypeError(

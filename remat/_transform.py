@@ -116,6 +116,12 @@ def remat(
         return functools.partial(
             remat, policy=resolved, preserve_rng=preserve_rng, check=check, namespace=namespace
         )
+    if isinstance(fn, (staticmethod, classmethod)):
+        kind = type(fn).__name__
+        raise TypeError(
+            f"`remat` got a {kind} object, which would bind as a plain method. Put `@remat` "
+            f"below `@{kind}`, on the function itself."
+        )
     if not callable(fn):
         raise TypeError(
             f"`remat` expected a callable `fn`, got {fn!r} of type {type(fn).__name__}. "

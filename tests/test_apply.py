@@ -102,6 +102,8 @@ def test_apply_rejects_bad_arguments_naming_them():
         remat.apply(lambda x: x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`where` must be None"):
         remat.apply(_model(), int)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got a module instance, Linear.*`where=Linear`"):
+        remat.apply(_model(), nn.Linear(2, 2))
     with pytest.raises(
         ValueError, match=r"where=Conv1d` matches no submodule.*BatchNorm1d, Block, Dropout, Linear"
     ):

@@ -255,6 +255,22 @@ def test_wrong_policy_type_raises_type_error(policy):
         remat(policy=policy)
 
 
+@pytest.mark.parametrize("policy", [torch.mm, torch.nn.Linear(2, 2)], ids=["function", "module"])
+def test_torch_function_or_module_as_policy_raises_at_the_call(policy):
+    """A torch function or module passed as ``policy`` raises at ``remat(...)``, not in the
+    forward with torch's own error about an ``OpCall`` argument (found by a probe)."""
+    with pytest.raises(TypeError, match="a torch function or module, not a policy"):
+        remat(_block, policy=policy)
+
+
+@pytest.mark.parametrize("kind", [staticmethod, classmethod])
+def test_remat_above_staticmethod_or_classmethod_raises(kind):
+    """``@remat`` above ``@staticmethod`` would bind as a plain method: it raises when
+    decorating, naming the order that works (it failed at the call, found by a probe)."""
+    with pytest.raises(TypeError, match=f"below `@{kind.__name__}`"):
+        remat(kind(_block))
+
+
 @pytest.mark.parametrize("check", ["full", None, True])
 def test_bad_check_raises_value_error(check):
     """A ``check`` other than 'shapes' or 'none' raises ValueError at the call site."""
