@@ -263,27 +263,27 @@ def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
         yield
 
 
-_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
-
-
 def _hooks_added(tensors: list[torch.Tensor]) -> Callable[[], None]:
     """What removes the tensor hooks a recompute registers on ``tensors``, from before it.
 
     ``fn`` registers them in its forward too (a forward hook that hooks its module's input,
     as attribution libraries do): the recompute's would run a second time.
     """
-    before = []
-    for t in tensors:
-        for name in _HOOKS:
-            hooks = getattr(t, name, None)  # (mostly None)
-            before.append((t, name, set(hooks) if hooks else ()))
+    before = [  # (mostly None)
+        (
+            t,
+            t._backward_hooks and tuple(t._backward_hooks),
+            t._post_accumulate_grad_hooks and tuple(t._post_accumulate_grad_hooks),
+        )
+        for t in tensors
+    ]
 
     def remove() -> None:
-        for t, name, had in before:
-            hooks = getattr(t, name, None)
-            if hooks:
-                for key in [key for key in hooks if key not in had]:
-                    del hooks[key]
+        for t, hooks, post in before:
+            for now, had in ((t._backward_hooks, hooks), (t._post_accumulate_grad_hooks, post)):
+                if now:
+                    for key in [key for key in now if key not in (had or ())]:
+                        del now[key]
 
     return remove
 
@@ -846,8 +846,8 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
             raise
         if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
             raise Restart
-        pack.check_versions()
         stopped = pack.stopped
+    pack.check_versions()  # (outside the recompute's modes, which would see each read)
     if stopped:
         return pack.values  # (detached as the recompute ended: `_RecomputePack.finish`)
     missing = min(needed - pack.values.keys())

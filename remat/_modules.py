@@ -254,7 +254,8 @@ def _submodules(
             seen.add(id(module))
             found.append(module)
             table = module._modules
-            held.extend((table, name, child) for name, child in table.items())
+            for name, child in table.items():
+                held.append((table, name, child))
             stack.extend(reversed(table.values()))
     return found, held
 
@@ -721,7 +722,9 @@ class ModuleState:
                     slot.tensor._version,
                     "Step the optimizer after the backward.",
                 )
-        swaps.extend(held for held in self.held if held[0].get(held[1]) is not held[2])
+        for held in self.held:
+            if held[0].get(held[1]) is not held[2]:
+                swaps.append(held)
         previous = [(table, name, table.get(name)) for table, name, _ in swaps]
         for table, name, t in swaps:
             table[name] = t
