@@ -186,6 +186,11 @@ class _Stop(BaseException):
     """Raised by the recompute's pack hook once every needed value exists."""
 
 
+class _WrittenError(RuntimeError):
+    """A value `fn` modified in place after an op saved it: raised where the backward
+    unpacks it, as plain autograd raises (a backward that never unpacks it runs)."""
+
+
 # One reshape decomposes to any of these, depending on dispatch modes and subclasses.
 _RESHAPES = frozenset(
     ["aten.view", "aten._reshape_alias", "aten.reshape_alias", "aten.alias", "aten._unsafe_view"]
@@ -281,7 +286,9 @@ def _hooks_added(tensors: list[torch.Tensor]) -> Callable[[], None]:
     def remove() -> None:
         for t, hooks, post in before:
             for now, had in ((t._backward_hooks, hooks), (t._post_accumulate_grad_hooks, post)):
-                if now:
+                # Unless ``fn`` removed one: it then swaps a hook it holds the handle of
+                # (``self.handle.remove()``), and the recompute's stands for the forward's.
+                if now and all(key in now for key in had or ()):
                     for key in [key for key in now if key not in (had or ())]:
                         del now[key]
 
@@ -723,9 +730,11 @@ class _Unpack:
                 _torch_private.queue_end_of_backward_callback(
                     functools.partial(_end_pass, weakref.ref(self), key)
                 )
-        value = values.pop(packed.index, None)
+        value: Any = values.pop(packed.index, None)  # (or a `_WrittenError`)
         if value is None:
             value = self._again(packed, key)
+        elif type(value) is _WrittenError:
+            raise value
         elif release and key != -1:
             given = _given(value)
             if given is not None:
@@ -739,9 +748,11 @@ class _Unpack:
         memory back while autograd still holds it, or else is recomputed alone.
         """
         given = self.given.get(key, {}).get(packed.index)
-        value = _given_back(given) if given is not None else None
+        value: Any = _given_back(given) if given is not None else None
         if value is None:
             value = self.recompute(only=packed.index)[packed.index]
+            if type(value) is _WrittenError:
+                raise value
         return value
 
     def recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
@@ -939,12 +950,13 @@ class _RecomputePack:
         return value
 
     def check_versions(self) -> None:
-        """Raise, as plain autograd's unpack does, if ``fn`` modified a value in place after
-        an op saved it (the recompute ran on past the write, which its value now shows)."""
+        """Each value ``fn`` modified in place after an op saved it (the recompute ran on
+        past the write, which the value now shows) becomes a `_WrittenError`, which its unpack
+        raises, as plain autograd's does."""
         versions, self.versions = self.versions, []  # (they hold the recompute's graph)
         for index, t, version in versions:
             if t._version != version:
-                raise RuntimeError(
+                self.values[index] = _WrittenError(
                     "`remat`: one of the values saved for the backward was modified by an "
                     f"inplace operation inside `fn` after it was saved (value #{index}, "
                     f"{describe(t)}, version {version} -> {t._version}). Plain autograd "

@@ -725,7 +725,7 @@ class ModuleState:
         for held in self.held:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
-        previous = [(table, name, table.get(name)) for table, name, _ in swaps]
+        previous = [(table, name, table.get(name, _ABSENT)) for table, name, _ in swaps]
         for table, name, t in swaps:
             table[name] = t
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
@@ -735,9 +735,15 @@ class ModuleState:
             yield copies
         finally:
             for table, name, t in previous:
-                table[name] = t
+                if t is _ABSENT:  # deleted between the forward and the backward
+                    del table[name]
+                else:
+                    table[name] = t
             for module, training in flipped:
                 module.training = training
+
+
+_ABSENT = object()
 
 
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:

@@ -491,6 +491,20 @@ def test_submodule_replaced_between_forward_and_backward(policy):
     assert_tree_equal(run(lambda m: remat.remat(forward(m), policy=policy)), run(forward))
 
 
+@each_policy
+def test_submodule_deleted_between_forward_and_backward_stays_deleted(policy):
+    """A submodule deleted after the forward: the recompute runs it, and afterwards it is
+    gone, as under plain autograd (it came back as None: found by a probe)."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.body, model.head = nn.Linear(6, 6).to(DTYPE), nn.Linear(6, 2).to(DTYPE)
+    region = remat.remat(lambda x: model.head(model.body(x).tanh()), policy=policy)
+    out = region(_batch(0)).sin().sum()
+    del model.head
+    out.backward()
+    assert list(model._modules) == ["body"]
+
+
 @pytest.mark.parametrize("switch", ["train_to_eval", "eval_to_train"])
 @each_policy
 def test_mode_switched_between_forward_and_backward(policy, switch):
@@ -561,6 +575,36 @@ def test_tensor_hooks_registered_inside_fn_run_once(policy):
             f(x).sin().sum().backward()
             grads.append([x.grad, *(p.grad.clone() for p in model.parameters())])
         return grads, calls
+
+    assert_tree_equal(run(lambda m: remat.remat(m, policy=policy)), run(lambda m: m))
+
+
+@each_policy
+def test_hook_swapped_through_a_stored_handle_runs_once(policy):
+    """``fn`` removes the hook it registered at the last call, through its handle, and
+    registers a new one: the recompute's stands for the forward's, and 3 steps give
+    plain's gradients (removing it left no hook: found by a probe)."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 6).to(DTYPE)
+            self.handle: Any = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.handle is not None:
+                self.handle.remove()
+            self.handle = x.register_hook(lambda g: g * 3)
+            return self.linear(x).tanh()
+
+    def run(wrap: Callable[[nn.Module], Callable[..., Any]]) -> Any:
+        torch.manual_seed(0)
+        model = Scaled()
+        f, x, grads = wrap(model), _batch(0).requires_grad_(), []
+        for _ in range(3):
+            f(x).sin().sum().backward()
+            grads.append(x.grad.clone())
+        return grads
 
     assert_tree_equal(run(lambda m: remat.remat(m, policy=policy)), run(lambda m: m))
 
