@@ -780,3 +780,46 @@ def test_programs_plain_runs_where_remat_raises():
     assert torch.equal(_w_grad(rematerialize(numpy_exp)), expected)
     with pytest.raises(remat.RecomputeError):
         _w_grad(rematerialize(numpy_exp, policy="save_matmuls"))
+
+
+def test_regions_reaching_every_block_with_batch_norm_raise():
+    """Two regions, each closing over the list of both blocks and running one: the second
+    region's forward updates the second block's statistics before the first region's
+    backward, which raises; a region per block trains as plain."""
+
+    def train(per_block: bool, policy: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).double()]
+        blocks.append(copy.deepcopy(blocks[0]))
+        if per_block:
+            regions = [rematerialize(block, policy=policy) for block in blocks]
+        else:
+            regions = [rematerialize(lambda h, i=i: blocks[i](h), policy=policy) for i in range(2)]
+        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        regions[1](regions[0](x).tanh()).sum().backward()
+        return [x.grad, *(t for block in blocks for t in (*block.parameters(), *block.buffers()))]
+
+    for policy in ("save_nothing", "save_matmuls"):
+        with pytest.raises(RuntimeError):
+            train(False, policy)
+        assert_tree_equal(train(True, policy), train(True, "save_everything"))
+
+
+def test_hook_on_the_input_with_autograd_grad_inside_fn():
+    """A hook on ``fn``'s input and an ``autograd.grad`` with respect to it inside ``fn``:
+    other gradients under the default policy, a per-op policy raises."""
+    w = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x.register_hook(lambda g: g + 1)
+        h = (x @ w).sin()
+        (inner,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        return (h * inner).sum()
+
+    def grad(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        return torch.autograd.grad(f(x * 1), w)[0]
+
+    assert not torch.equal(grad(rematerialize(fn)), grad(fn)), STALE
+    with pytest.raises(remat.RecomputeError):
+        grad(rematerialize(fn, policy="save_matmuls"))
