@@ -52,6 +52,25 @@ def another_thread_alive() -> Any:
         idle.join()
 
 
+def run_alone(source: str, cwd: Any) -> list[str]:
+    """The lines ``source`` prints, run in a process of its own (pytest's workers may keep
+    threads alive), with ``tests`` importable after the installed remat."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.append({root!r})" + source],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
 def step_with_idle_thread(f: Callable[..., Any], x: torch.Tensor, alive: str) -> torch.Tensor:
     """``y = f(x)`` and ``y.sum().backward()``, with an idle thread alive at the "forward",
     the "backward", "both" or "neither"; returns ``y``."""

@@ -28,7 +28,7 @@ from torch.func import hessian, jacfwd, jvp, vjp
 import remat
 from remat import policies
 from remat import remat as rematerialize
-from tests.helpers import assert_tree_equal
+from tests.helpers import assert_tree_equal, run_alone
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -475,20 +475,9 @@ def test_fn_driving_the_rng_itself(tmp_path):
     error: for the seed where the thread is alive at the backward only, for the thread's
     draws whenever one is alive. Run in a process of its own: pytest's workers may keep
     threads alive."""
-    import subprocess
-    import sys
-
-    root = str(Path(__file__).parent.parent)  # for `tests`, after the installed remat
-    result = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.append({root!r})" + _DRIVING_THE_RNG],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
-    outcomes = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
-    assert len(outcomes) == 2 * 3 * 4, result.stdout
+    lines = run_alone(_DRIVING_THE_RNG, tmp_path)
+    outcomes = dict(line.rsplit(" ", 1) for line in lines)
+    assert len(outcomes) == 2 * 3 * 4, lines
     expected = {}
     for fn in ("fork_and_seed", "drawn_in_a_worker"):
         for policy in ("save_nothing", "save_matmuls", "memory_budget(0.5)"):

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import io
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from tests.helpers import (
     another_thread_alive,
     each_device,
     global_rng_states,
+    run_alone,
     step_with_idle_thread,
 )
 
@@ -454,20 +454,8 @@ def test_nested_recomputes_replay_with_threads_started_or_stopped_between(tmp_pa
     pass, the forward, the backward or both (found by `make fuzz`: a thread started by
     the backward gave another gradient). Run in a process of its own, as pytest's
     workers keep threads alive."""
-    import subprocess
-    import sys
-
-    root = str(Path(__file__).parent.parent)  # for `tests`, after the installed remat
-    result = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.append({root!r})" + _NESTED_THREADS],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert len(lines) == 2 * 4 * 9, result.stdout
+    lines = run_alone(_NESTED_THREADS, tmp_path)
+    assert len(lines) == 2 * 4 * 9, lines
     assert [line for line in lines if line.endswith("False")] == []
     raising = [line.split()[:4] for line in lines if line.endswith("raises")]
     per_op_outer = [
