@@ -2,8 +2,8 @@
 
 A region finds the modules ``fn`` can reach (`reachable`: ``fn`` itself, ``self`` of
 a bound method, partials, closures, defaults, named globals, module arguments, and the
-containers holding them, at any depth) and records, for each parameter and buffer
-slot, the tensor it held at entry.
+containers holding them, at any depth) and records, for each parameter, buffer and
+plain tensor attribute slot, the tensor it held at entry.
 
 - ``torch.func.functional_call`` swaps tensors into the slots only for the call,
   but the recompute runs later: the recompute puts the forward's tensor back.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import sys
 import types
 import weakref
@@ -109,7 +110,7 @@ def _learning(owner: Any) -> _Learned:
     return record
 
 
-def _fsdp_types() -> tuple[type | None, type | None]:
+def _fsdp_types() -> tuple[type | None, type[torch.Tensor] | None]:
     """FSDP2's module class and the DTensor class of its sharded parameters, if imported.
 
     Not imported here (that costs most of a second): a program that has FSDP2 units
@@ -471,18 +472,32 @@ class ModuleState:
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
         candidates: list[int] = []  # slots `_write_only` allows to be scratch
+        # The types of every submodule's attributes, in one pass of native code.
+        values = itertools.chain.from_iterable(map(dict.values, map(vars, submodules)))
+        attribute_types = set(map(type, values))
+        # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
+        if torch.Generator in attribute_types:
+            state.generators = [
+                v for sub in submodules for v in vars(sub).values() if type(v) is torch.Generator
+            ]
+        attributes: dict[str, Any] = {}
         for sub in submodules:
-            # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
-            if torch.Generator in map(type, vars(sub).values()):
-                state.generators += [v for v in vars(sub).values() if type(v) is torch.Generator]
+            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            if torch.Tensor in attribute_types:  # a plain tensor attribute is state, as a buffer
+                attributes = vars(sub)
+                tables += (attributes,)
             record = _learned(sub)
-            if record is None and (sub._parameters or sub._buffers):
+            if record is None and (sub._parameters or sub._buffers or len(tables) == 3):
                 unlearned.append(sub)
             updated = record.updated if record is not None else ()
-            for table in (sub._parameters, sub._buffers):
+            for table in tables:
                 for name, t in table.items():
                     if t is None:
                         continue
+                    if table is attributes and (
+                        type(t) is not torch.Tensor or any(t is s.tensor for s in slots)
+                    ):
+                        continue  # not a tensor, or an alias of a slot's (HF's rotary cache)
                     if type(t) in _UNINITIALIZED:  # a lazy module's, until its first forward
                         state.uninitialized.append(f"{type(sub).__name__}.{name}")
                         continue  # (the recompute reads what that forward made)
@@ -512,7 +527,7 @@ class ModuleState:
                     state.copies = {
                         i: state.before[i].clone()
                         for i, slot in enumerate(state.slots)
-                        if slot.table is None or slot.table is slot.module._buffers
+                        if slot.table is None or slot.table is not slot.module._parameters
                     }
         if not (state.slots or state.loose or state.watching or state.sharded or submodules):
             return None

@@ -911,3 +911,68 @@ def test_lazy_module_initialized_inside_a_region():
     with torch.no_grad():
         plain(_batch(0))
     assert_tree_equal(_lazy_steps(lazy), _lazy_steps(plain))
+
+
+class _Attribute(nn.Module):
+    """A plain tensor attribute, neither a parameter nor a buffer."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class _Updating(nn.Module):
+    """A forward that updates a plain tensor attribute: in place (a step count), or by
+    rebinding it (a cache of its last input's mean)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.how = how
+        self.state = torch.ones(6, dtype=DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "in place":
+            self.state.add_(1)
+        y = (self.linear(x) * self.state).tanh()
+        if self.how == "rebound":
+            self.state = self.state * 0.5 + x.detach().mean(0)
+        return y
+
+
+@pytest.mark.parametrize("how", ["in place", "rebound"])
+@each_policy
+def test_forward_updates_a_plain_tensor_attribute(policy, how):
+    """A module's plain tensor attribute, which the forward updates: the recompute reads
+    what the forward read, and updates nothing a second time; gradients and the attribute
+    stay plain's. Before, the rebound attribute gave other gradients under the default
+    policy with no error, and the in-place update raised `RecomputeError`."""
+
+    def train(model: _Updating) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = model(x)
+            out.sum().backward()
+            results += [out.detach(), x.grad, model.linear.weight.grad, model.state.clone()]
+        return results
+
+    kept = remat.apply(_Updating(how), policy=policy)
+    assert_tree_equal(train(kept), train(_Updating(how)))
+
+
+@each_policy
+def test_plain_tensor_attribute_modified_in_place_before_backward(policy):
+    """A module's plain tensor attribute written in place between the forward and the
+    backward: plain autograd raises, and so does remat (it gave a gradient from the new
+    values, with no error)."""
+    model = remat.apply(_Attribute(torch.linspace(0.5, 1.5, 6, dtype=DTYPE)), policy=policy)
+    x = _batch(0).requires_grad_()
+    y = model(x).sum()
+    model.scale.add_(1)
+    with pytest.raises(RuntimeError, match=r"modified (in place between|by an inplace)"):
+        y.backward()
