@@ -18,7 +18,8 @@ plain tensor attribute slot, the tensor it held at entry.
 - A region input that does not require grad is treated the same way (``F.batch_norm``
   with running statistics passed as arguments writes them without a version bump).
 - Plain tensors ``fn`` reaches by reference are version-checked (`loose`): updated by
-  the forward, or between the forward and the backward, they raise.
+  the forward, or between the forward and the backward, they raise. Rebound where
+  ``fn`` finds them (`Reached.places`), the recompute gets the forward's back.
 - The recompute of a watched forward refuses writes to memory from before it other
   than the private copies (`WriteGuard`): state held where remat does not look.
 - A slot whose tensor the forward itself replaced (a module assigning a new
@@ -126,6 +127,9 @@ class Reached(NamedTuple):
     generators: list[torch.Generator]
     tensors: list[torch.Tensor]  # reached by reference: not the arguments
     opaque: list[int]  # ids of the other objects reached, whose attributes are not searched
+    # Where ``fn`` finds `tensors`: each rebindable place on the way (a closure cell, a
+    # dict's entry, a list's item) and what it held, (holder, key, object).
+    places: list[tuple[Any, Any, Any]]
 
 
 def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
@@ -138,7 +142,7 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
     (``modules()``); other objects' attributes are searched only for the object a method is
     bound to or that is called.
     """
-    reached = Reached([], [], [], [])
+    reached = Reached([], [], [], [], [])
     seen: set[int] = set()
     stack: list[Any] = [fn, *(leaf for leaf in leaves if not isinstance(leaf, torch.Tensor))]
     while stack:
@@ -163,7 +167,65 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
             stack.extend(_callable_parts(obj))
         else:
             reached.opaque.append(id(obj))
+    if reached.tensors:  # (rare: most state is in modules)
+        roots = [fn, *(leaf for leaf in leaves if not isinstance(leaf, torch.Tensor))]
+        reached.places.extend(_places(roots, set(map(id, reached.tensors))))
     return reached
+
+
+def _places(roots: list[Any], wanted: set[int]) -> list[tuple[Any, Any, Any]]:
+    """The rebindable places on the paths `reachable` takes from ``roots`` to the objects
+    ``wanted`` (ids): what the recompute puts back where ``fn``'s code rebinds them
+    between the forward and the backward (``t = t + 1`` on a closure variable)."""
+    nodes: list[tuple[Any, Any, Any, int]] = []  # (holder, key, object, parent node)
+    places: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
+    seen: set[int] = set()
+    stack: list[tuple[Any, Any, Any, int]] = [(None, None, root, -1) for root in roots]
+    while stack:
+        holder, key, obj, parent = stack.pop()
+        if type(obj) in _ATOMS or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        nodes.append((holder, key, obj, parent))
+        if id(obj) in wanted:
+            i = len(nodes) - 1
+            while i >= 0:
+                holder, key, obj, i = nodes[i]
+                if holder is not None:
+                    places[id(holder), key] = (holder, key, obj)
+            continue
+        stack.extend((h, k, child, len(nodes) - 1) for h, k, child in _keyed_parts(obj))
+    return list(places.values())
+
+
+def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
+    """What `reachable` goes on to from ``obj``, each with the place that holds it where
+    that place can be rebound: (holder, key, part); else (None, None, part)."""
+    if type(obj) in (torch.Tensor, nn.Parameter, torch.Generator):
+        return []
+    if isinstance(obj, (nn.Module, type)):
+        return []
+    if isinstance(obj, (list, collections.deque)):
+        return [(obj, i, part) for i, part in enumerate(obj)]
+    if isinstance(obj, dict):
+        return [(obj, key, part) for key, part in obj.items()]
+    if isinstance(obj, (tuple, set, frozenset)):
+        return [(None, None, part) for part in obj]
+    if isinstance(obj, functools.partial):
+        return [(None, None, part) for part in (obj.func, *obj.args, obj.keywords)]
+    if isinstance(obj, types.FunctionType):
+        parts: list[tuple[Any, Any, Any]]
+        parts = [(None, None, p) for p in (obj.__defaults__, obj.__kwdefaults__)]
+        parts.append((vars(obj), "__wrapped__", getattr(obj, "__wrapped__", None)))
+        for cell in obj.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                parts.append((cell, None, cell.cell_contents))
+        scope = obj.__globals__
+        parts.extend((scope, name, scope[name]) for name in obj.__code__.co_names if name in scope)
+        return [p for p in parts if not isinstance(p[2], (type, types.ModuleType))]
+    if callable(obj):
+        return [(None, None, part) for part in _callable_parts(obj)]
+    return []
 
 
 # Leaves that hold nothing to find: skipped first (most arguments are these).
@@ -380,6 +442,7 @@ class ModuleState:
         "loose",
         "lost",
         "modes",
+        "places",
         "scratch",
         "seen_as",
         "settled",
@@ -431,6 +494,9 @@ class ModuleState:
         # Where each submodule was held at entry: the recompute runs the forward's (a
         # submodule replaced before the backward, as a teacher swap does).
         self.held: list[tuple[dict[str, Any], str, nn.Module]] = []
+        # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
+        # what the forward read there (a closure variable rebound before the backward).
+        self.places: list[tuple[Any, Any, Any]] = []
 
     @classmethod
     def capture(
@@ -516,6 +582,7 @@ class ModuleState:
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
+            state.places = reached.places
         if unlearned:
             state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
             state.statistics = {_memory(slots[i].tensor): i for i in candidates}
@@ -681,7 +748,7 @@ class ModuleState:
                     slot.tensor._version,
                     "Step the optimizer after the backward.",
                 )
-        swaps: list[tuple[dict[str, Any], str, Any]] = []
+        swaps: list[tuple[Any, Any, Any]] = []  # (holder, key, what the forward read there)
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         slots = self.slots
         # The usual: no copies to make, and every slot as the forward left it.
@@ -740,25 +807,46 @@ class ModuleState:
         for held in self.held:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
-        previous = [(table, name, table.get(name, _ABSENT)) for table, name, _ in swaps]
-        for table, name, t in swaps:
-            table[name] = t
+        for place in self.places:
+            now = _get(place[0], place[1])
+            if now is not place[2] and (now is not _ABSENT or type(place[0]) is not list):
+                swaps.append(place)
+        previous = [(holder, key, _get(holder, key)) for holder, key, _ in swaps]
+        for holder, key, value in swaps:
+            _put(holder, key, value)
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
         for module, training in flipped:
             module.training = not training
         try:
             yield copies
         finally:
-            for table, name, t in previous:
-                if t is _ABSENT:  # deleted between the forward and the backward
-                    del table[name]
-                else:
-                    table[name] = t
+            for holder, key, value in previous:
+                _put(holder, key, value)  # (`_ABSENT`: deleted between forward and backward)
             for module, training in flipped:
                 module.training = training
 
 
 _ABSENT = object()
+
+
+def _get(holder: Any, key: Any) -> Any:
+    """What a place holds: a closure cell (``key`` None), a dict's entry, a list's item."""
+    try:
+        return holder.cell_contents if type(holder) is types.CellType else holder[key]
+    except (ValueError, KeyError, IndexError):  # (an empty cell, a deleted entry)
+        return _ABSENT
+
+
+def _put(holder: Any, key: Any, value: Any) -> None:
+    if type(holder) is types.CellType:
+        if value is _ABSENT:
+            del holder.cell_contents
+        else:
+            holder.cell_contents = value
+    elif value is _ABSENT:
+        del holder[key]
+    else:
+        holder[key] = value
 
 
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:

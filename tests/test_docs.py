@@ -712,23 +712,6 @@ def test_default_dtype_changed_before_the_backward():
     assert not torch.equal(got, expected), STALE
 
 
-def test_tensor_rebound_between_forward_and_backward():
-    """A closure variable rebound before the backward: other gradients under the default
-    policy, a per-op policy raises."""
-
-    def grads(wrap: Callable[..., Any]) -> torch.Tensor:
-        scale = torch.linspace(0, 1, 4, dtype=torch.float64)
-        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
-        y = wrap(lambda x: (x * scale).tanh().exp())(x).sum()
-        scale = scale + 1  # rebinds the closure's cell
-        return torch.autograd.grad(y, x)[0]
-
-    expected = grads(lambda f: f)
-    assert not torch.equal(grads(rematerialize), expected), STALE
-    with pytest.raises(remat.RecomputeError):
-        grads(lambda f: rematerialize(f, policy="save_matmuls"))
-
-
 def test_programs_plain_runs_where_remat_raises():
     """A backward on a dual value after its level exited; a region inside
     ``disable_saved_tensors_hooks``; a per-op policy with an ``autograd.Function`` that

@@ -913,6 +913,19 @@ def test_lazy_module_initialized_inside_a_region():
     assert_tree_equal(_lazy_steps(lazy), _lazy_steps(plain))
 
 
+REBOUND: torch.Tensor | None = None  # a global the regions below read, then rebind
+
+
+class _Scaler:
+    """Not a module: an object whose method reads a tensor attribute."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 class _Attribute(nn.Module):
     """A plain tensor attribute, neither a parameter nor a buffer."""
 
@@ -922,6 +935,64 @@ class _Attribute(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale
+
+
+def _global_scale(x: torch.Tensor) -> torch.Tensor:
+    assert REBOUND is not None
+    return x * REBOUND
+
+
+def _scaled_by(place: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], None]]:
+    """A function that reads a scale from ``place``, and what rebinds that place."""
+    global REBOUND
+    scale = torch.linspace(0.5, 1.5, 6, dtype=DTYPE)
+    if place == "closure":
+        box = [scale]
+        cell_holder = box[0]
+
+        def closure(x: torch.Tensor) -> torch.Tensor:
+            return x * cell_holder
+
+        def rebind() -> None:
+            nonlocal cell_holder
+            cell_holder = cell_holder + 1
+
+        return closure, rebind
+    if place == "global":
+        REBOUND = scale
+
+        def rebind_global() -> None:
+            global REBOUND
+            REBOUND = REBOUND + 1  # type: ignore[operator]
+
+        return _global_scale, rebind_global
+    if place in ("dict", "list"):
+        table: Any = {"scale": scale} if place == "dict" else [scale]
+        key: Any = "scale" if place == "dict" else 0
+        return lambda x: x * table[key], lambda: table.__setitem__(key, table[key] + 1)
+    held = _Scaler(scale) if place == "object" else _Attribute(scale)
+    return held, lambda: setattr(held, "scale", held.scale + 1)
+
+
+@pytest.mark.parametrize("place", ["closure", "global", "dict", "list", "object", "module"])
+@each_policy
+def test_tensor_reached_by_reference_rebound_before_backward(policy, place):
+    """A tensor ``fn`` reads by reference, rebound between the forward and the backward
+    (``t = t + 1``): the recompute reads the forward's, and the gradients are plain's. The
+    default policy gave other gradients with no error; the per-op policies raised."""
+
+    def grads(wrap: Callable[..., Any]) -> list[torch.Tensor]:
+        scaled, rebind = _scaled_by(place)
+        region = wrap(lambda x: (scaled(x).tanh() * x).exp())
+        result = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            y = region(x).sum()
+            rebind()
+            result.append(torch.autograd.grad(y, x)[0])
+        return result
+
+    assert_tree_equal(grads(functools.partial(remat.remat, policy=policy)), grads(lambda f: f))
 
 
 class _Updating(nn.Module):
