@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -274,25 +275,35 @@ def _hooks_added(tensors: list[torch.Tensor]) -> Callable[[], None]:
     ``fn`` registers them in its forward too (a forward hook that hooks its module's input,
     as attribution libraries do): the recompute's would run a second time.
     """
-    before = [  # (mostly None)
-        (
-            t,
-            t._backward_hooks and tuple(t._backward_hooks),
-            t._post_accumulate_grad_hooks and tuple(t._post_accumulate_grad_hooks),
-        )
-        for t in tensors
-    ]
+    count = len(tensors)
+    before = list(map(_HOOKS, tensors))  # (native loops: most tensors have no hooks)
+    had = (
+        {}
+        if before.count(_NO_HOOKS) == count
+        else {
+            i: tuple(hooks and tuple(hooks) for hooks in pair)
+            for i, pair in enumerate(before)
+            if pair != _NO_HOOKS
+        }
+    )
 
     def remove() -> None:
-        for t, hooks, post in before:
-            for now, had in ((t._backward_hooks, hooks), (t._post_accumulate_grad_hooks, post)):
+        after = list(map(_HOOKS, tensors))
+        if not had and after.count(_NO_HOOKS) == count:
+            return
+        for i, pair in enumerate(after):
+            for now, keys in zip(pair, had.get(i, _NO_HOOKS), strict=True):
                 # Unless ``fn`` removed one: it then swaps a hook it holds the handle of
                 # (``self.handle.remove()``), and the recompute's stands for the forward's.
-                if now and all(key in now for key in had or ()):
-                    for key in [key for key in now if key not in (had or ())]:
+                if now and all(key in now for key in keys or ()):
+                    for key in [key for key in now if key not in (keys or ())]:
                         del now[key]
 
     return remove
+
+
+_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+_NO_HOOKS = (None, None)
 
 
 class _Setting:
@@ -871,6 +882,10 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
     )
 
 
+_VERSION = operator.attrgetter("_version")
+_SAVED, _SAVED_VERSION = operator.itemgetter(1), operator.itemgetter(2)
+
+
 class _RecomputePack:
     """The recompute's pack hook: collects the needed values, stops after the last one.
 
@@ -954,6 +969,8 @@ class _RecomputePack:
         past the write, which the value now shows) becomes a `_WrittenError`, which its unpack
         raises, as plain autograd's does."""
         versions, self.versions = self.versions, []  # (they hold the recompute's graph)
+        if list(map(_VERSION, map(_SAVED, versions))) == list(map(_SAVED_VERSION, versions)):
+            return  # (the usual, in native loops)
         for index, t, version in versions:
             if t._version != version:
                 self.values[index] = _WrittenError(

@@ -39,6 +39,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import operator
 import sys
 import types
 import weakref
@@ -271,6 +272,10 @@ def owner_of(fn: Callable[..., Any], first: Any = None) -> Any:
     return getattr(function, "__code__", type(fn))
 
 
+_TENSOR, _VERSION = operator.attrgetter("tensor"), operator.attrgetter("_version")
+_SLOT_VERSION, _SLOT_MEMORY = operator.attrgetter("version"), operator.attrgetter("memory")
+
+
 class _Slot(NamedTuple):
     module: Any  # an nn.Module, or what learns about a region's inputs (see `owner_of`)
     table: dict[str, Any] | None  # None for an input
@@ -290,6 +295,14 @@ def _memory(t: torch.Tensor) -> int:
         return int(_torch_private.unwrap_all(t).data_ptr())
     except RuntimeError:
         return -1
+
+
+def _memories(tensors: list[torch.Tensor]) -> list[int]:
+    """`_memory` of each of ``tensors``."""
+    try:
+        return list(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:
+        return list(map(_memory, tensors))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -660,12 +673,13 @@ class ModuleState:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.settled = True
         slots = self.slots
-        self.ended = [slot.tensor._version for slot in slots]
+        tensors = list(map(_TENSOR, slots))  # (native loops: this runs at every call)
+        self.ended = list(map(_VERSION, tensors))
         # The usual: nothing snapshotted or written, no tensor moved: no slot is updated.
         quiet = (
             not (self.scratch or self.snapshots or self.taken or self.copies)
-            and self.ended == [slot.version for slot in slots]
-            and [_memory(slot.tensor) for slot in slots] == [slot.memory for slot in slots]
+            and self.ended == list(map(_SLOT_VERSION, slots))
+            and _memories(tensors) == list(map(_SLOT_MEMORY, slots))
         )
         for i, slot in enumerate(() if quiet else slots):
             if i in self.scratch:  # updated, as learned; the recompute writes scratch
@@ -755,7 +769,7 @@ class ModuleState:
         unchanged = (
             self.settled
             and not (self.scratch or self.snapshots)
-            and [slot.tensor._version for slot in slots] == self.ended
+            and list(map(_VERSION, map(_TENSOR, slots))) == self.ended
             and all(s.table is None or s.table.get(s.name) is s.tensor for s in slots)
         )
         for i, slot in enumerate(() if unchanged else slots):
