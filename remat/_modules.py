@@ -445,6 +445,7 @@ class ModuleState:
     """
 
     __slots__ = (
+        "aliases",
         "before",
         "chains",
         "copies",
@@ -510,6 +511,9 @@ class ModuleState:
         # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
         # what the forward read there (a closure variable rebound before the backward).
         self.places: list[tuple[Any, Any, Any]] = []
+        # Module attributes that share another slot's memory: (table, name, tensor, slot
+        # index). Where the recompute gets a copy of that slot, they get the same view of it.
+        self.aliases: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
 
     @classmethod
     def capture(
@@ -559,24 +563,15 @@ class ModuleState:
             state.generators = [
                 v for sub in submodules for v in vars(sub).values() if type(v) is torch.Generator
             ]
-        attributes: dict[str, Any] = {}
         for sub in submodules:
-            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
-            if torch.Tensor in attribute_types:  # a plain tensor attribute is state, as a buffer
-                attributes = vars(sub)
-                tables += (attributes,)
             record = _learned(sub)
-            if record is None and (sub._parameters or sub._buffers or len(tables) == 3):
+            if record is None and (sub._parameters or sub._buffers):
                 unlearned.append(sub)
             updated = record.updated if record is not None else ()
-            for table in tables:
+            for table in (sub._parameters, sub._buffers):
                 for name, t in table.items():
                     if t is None:
                         continue
-                    if table is attributes and (
-                        type(t) is not torch.Tensor or any(t is s.tensor for s in slots)
-                    ):
-                        continue  # not a tensor, or an alias of a slot's (HF's rotary cache)
                     if type(t) in _UNINITIALIZED:  # a lazy module's, until its first forward
                         state.uninitialized.append(f"{type(sub).__name__}.{name}")
                         continue  # (the recompute reads what that forward made)
@@ -592,6 +587,8 @@ class ModuleState:
                     if write_only:
                         candidates.append(len(slots))
                     slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
+        if torch.Tensor in attribute_types:
+            state._attributes(submodules, unlearned)
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
@@ -612,6 +609,29 @@ class ModuleState:
         if not (state.slots or state.loose or state.watching or state.sharded or submodules):
             return None
         return state
+
+    def _attributes(self, submodules: list[nn.Module], unlearned: list[Any]) -> None:
+        """Each module's plain tensor attributes (a cache, a mask) as slots, as its buffers
+        are; one that shares memory with another slot (HF's rotary embedding keeps its buffer
+        as one; a view of a buffer) as an alias of that slot (`aliases`)."""
+        slots = self.slots
+        shared = {memory: i for i, memory in enumerate(map(_storage, map(_TENSOR, slots)))}
+        for sub in submodules:
+            table = vars(sub)
+            record = _learned(sub)
+            for name, t in table.items():
+                if type(t) is not torch.Tensor:
+                    continue
+                memory = _storage(t)
+                if memory in shared:
+                    self.aliases.append((table, name, t, shared[memory]))
+                    continue
+                shared[memory] = len(slots)
+                if record is None and sub not in unlearned:
+                    unlearned.append(sub)
+                if record is not None and name in record.updated:
+                    self.snapshots[len(slots)] = self._snapshot(len(slots), t)
+                slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
 
     def refuse_lazy(self, policy: Any) -> None:
         """Per-op policies record every op on the tensors they read, and a lazy module's
@@ -772,6 +792,7 @@ class ModuleState:
             and list(map(_VERSION, map(_TENSOR, slots))) == self.ended
             and all(s.table is None or s.table.get(s.name) is s.tensor for s in slots)
         )
+        made: dict[int, torch.Tensor] = {}  # slot index -> its copy
         for i, slot in enumerate(() if unchanged else slots):
             if i in self.scratch:
                 assert slot.table is not None
@@ -803,6 +824,7 @@ class ModuleState:
                 if slot.table is not None:
                     swaps.append((slot.table, slot.name, copy))
                 copies.append((copy, slot.tensor, version))
+                made[i] = copy
                 continue
             if slot.table is None:  # an input: the region checks its version itself
                 continue
@@ -818,6 +840,12 @@ class ModuleState:
                     slot.tensor._version,
                     "Step the optimizer after the backward.",
                 )
+        for table, name, t, i in self.aliases if made else ():
+            if i in made:
+                view = made[i] if t is slots[i].tensor else _alias(made[i], slots[i], name, t)
+                swaps.append((table, name, view))
+                if view is not made[i]:
+                    copies.append((view, t, slots[i].version))
         for held in self.held:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
@@ -861,6 +889,23 @@ def _put(holder: Any, key: Any, value: Any) -> None:
         del holder[key]
     else:
         holder[key] = value
+
+
+def _alias(copy: torch.Tensor, slot: _Slot, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Attribute ``name`` (``t``, which shares the memory of ``slot``'s tensor) as the same
+    view of ``copy``, the recompute's copy of that tensor."""
+    base = slot.tensor
+    offset = copy.storage_offset() + t.storage_offset() - base.storage_offset()
+    try:
+        if copy.stride() != base.stride():
+            raise RuntimeError("other strides")
+        return copy.as_strided(t.shape, t.stride(), offset)
+    except RuntimeError as error:  # (memory outside the slot's tensor)
+        raise RecomputeError(
+            f"`remat`: the attribute `{name}` of a module shares memory with `{slot.name}` of "
+            f"{type(slot.module).__name__}, which the forward updates, and is not a view of it "
+            f"({error}). Make it a view of that tensor, or a buffer of its own."
+        ) from None
 
 
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:

@@ -1047,3 +1047,60 @@ def test_plain_tensor_attribute_modified_in_place_before_backward(policy):
     model.scale.add_(1)
     with pytest.raises(RuntimeError, match=r"modified (in place between|by an inplace)"):
         y.backward()
+
+
+class _Statistic(nn.Module):
+    """Updates a running statistic buffer in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.register_buffer("running", torch.zeros(6, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        with torch.no_grad():
+            self.running.mul_(0.5).add_(h.mean(0))
+        return h
+
+
+class _ReadsStatistic(nn.Module):
+    """Keeps its child's buffer (or a view of it) as a plain attribute, read before or after
+    the child updates it."""
+
+    def __init__(self, view: bool, before: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = _Statistic()
+        self.statistic = self.child.running[1:] if view else self.child.running
+        self.before = before
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.before:
+            return self.child(x * (1 + self.statistic.sum())).tanh()
+        return self.child(x).tanh() * self.statistic.sum()
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["read after", "read before"])
+@pytest.mark.parametrize("view", [False, True], ids=["same tensor", "view"])
+@each_policy
+def test_attribute_sharing_memory_with_an_updated_buffer(policy, view, before):
+    """A plain attribute that is a submodule's buffer (or a view of it), which the forward
+    updates: plain's training; the recompute gives it the same view of the buffer's copy.
+    Read after the update, as a slot of its own it got a copy the update did not reach;
+    read before it, it read the live buffer, which the forward had updated (other gradients
+    under the default policy, with no error; the per-op policies raised)."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = model(x)
+            out.pow(2).sum().backward()
+            results += [out.detach(), x.grad, model.child.linear.weight.grad.clone()]
+            results.append(model.child.running.clone())
+            model.zero_grad()
+        return results
+
+    kept = remat.apply(_ReadsStatistic(view, before), policy=policy)
+    assert_tree_equal(train(kept), train(_ReadsStatistic(view, before)))
