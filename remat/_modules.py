@@ -175,28 +175,51 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
 
 
 def _places(roots: list[Any], wanted: set[int]) -> list[tuple[Any, Any, Any]]:
-    """The rebindable places on the paths `reachable` takes from ``roots`` to the objects
+    """The rebindable places on every path `reachable` takes from ``roots`` to the objects
     ``wanted`` (ids): what the recompute puts back where ``fn``'s code rebinds them
-    between the forward and the backward (``t = t + 1`` on a closure variable)."""
+    between the forward and the backward (``t = t + 1`` on a closure variable).
+
+    A place is (holder, key, what it held): a closure cell's contents (key None), a dict's
+    entry, or a list's or deque's whole contents (key `_CONTENTS`, a tuple of them).
+    """
     nodes: list[tuple[Any, Any, Any, int]] = []  # (holder, key, object, parent node)
     places: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
+    leads: set[int] = set()  # objects on a path to a wanted one
+
+    def record(node: tuple[Any, Any, Any, int]) -> None:
+        while True:
+            holder, key, obj, parent = node
+            leads.add(id(obj))
+            if holder is not None:
+                places[id(holder), key] = (holder, key, obj)
+            if isinstance(obj, (list, collections.deque)):
+                places[id(obj), _CONTENTS] = (obj, _CONTENTS, tuple(obj))
+            if parent < 0:
+                return
+            node = nodes[parent]
+
     seen: set[int] = set()
     stack: list[tuple[Any, Any, Any, int]] = [(None, None, root, -1) for root in roots]
     while stack:
-        holder, key, obj, parent = stack.pop()
-        if type(obj) in _ATOMS or id(obj) in seen:
+        node = stack.pop()
+        obj = node[2]
+        if type(obj) in _ATOMS:
+            continue
+        if id(obj) in seen:  # another path to it (its own were walked already)
+            if id(obj) in leads:
+                record(node)
             continue
         seen.add(id(obj))
-        nodes.append((holder, key, obj, parent))
         if id(obj) in wanted:
-            i = len(nodes) - 1
-            while i >= 0:
-                holder, key, obj, i = nodes[i]
-                if holder is not None:
-                    places[id(holder), key] = (holder, key, obj)
+            record(node)
             continue
-        stack.extend((h, k, child, len(nodes) - 1) for h, k, child in _keyed_parts(obj))
+        nodes.append(node)
+        here = len(nodes) - 1
+        stack.extend((h, k, part, here) for h, k, part in _keyed_parts(obj))
     return list(places.values())
+
+
+_CONTENTS = object()  # the key of a list's or deque's place: all of it
 
 
 def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
@@ -206,12 +229,10 @@ def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
         return []
     if isinstance(obj, (nn.Module, type)):
         return []
-    if isinstance(obj, (list, collections.deque)):
-        return [(obj, i, part) for i, part in enumerate(obj)]
     if isinstance(obj, dict):
         return [(obj, key, part) for key, part in obj.items()]
-    if isinstance(obj, (tuple, set, frozenset)):
-        return [(None, None, part) for part in obj]
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        return [(None, None, part) for part in obj]  # (a list's place is all of it)
     if isinstance(obj, functools.partial):
         return [(None, None, part) for part in (obj.func, *obj.args, obj.keywords)]
     if isinstance(obj, types.FunctionType):
@@ -849,20 +870,18 @@ class ModuleState:
         for held in self.held:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
-        for place in self.places:
-            now = _get(place[0], place[1])
-            if now is not place[2] and (now is not _ABSENT or type(place[0]) is not list):
-                swaps.append(place)
-        previous = [(holder, key, _get(holder, key)) for holder, key, _ in swaps]
-        for holder, key, value in swaps:
-            _put(holder, key, value)
+        swaps += filter(_moved, self.places)
+        previous: list[tuple[Any, Any, Any]] = []
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
-        for module, training in flipped:
-            module.training = not training
         try:
+            for holder, key, value in swaps:
+                previous.append((holder, key, _get(holder, key)))
+                _put(holder, key, value)
+            for module, training in flipped:
+                module.training = not training
             yield copies
         finally:
-            for holder, key, value in previous:
+            for holder, key, value in reversed(previous):
                 _put(holder, key, value)  # (`_ABSENT`: deleted between forward and backward)
             for module, training in flipped:
                 module.training = training
@@ -872,15 +891,24 @@ _ABSENT = object()
 
 
 def _get(holder: Any, key: Any) -> Any:
-    """What a place holds: a closure cell (``key`` None), a dict's entry, a list's item."""
+    """What a place holds: a closure cell's contents (``key`` None), a dict's entry, a
+    list's or deque's contents (`_CONTENTS`)."""
+    if key is _CONTENTS:
+        return tuple(holder)
     try:
         return holder.cell_contents if type(holder) is types.CellType else holder[key]
-    except (ValueError, KeyError, IndexError):  # (an empty cell, a deleted entry)
+    except (ValueError, KeyError):  # (an empty cell, a deleted entry)
         return _ABSENT
 
 
 def _put(holder: Any, key: Any, value: Any) -> None:
-    if type(holder) is types.CellType:
+    if key is _CONTENTS:
+        if isinstance(holder, collections.deque):
+            holder.clear()
+            holder.extend(value)
+        else:
+            holder[:] = value
+    elif type(holder) is types.CellType:
         if value is _ABSENT:
             del holder.cell_contents
         else:
@@ -889,6 +917,15 @@ def _put(holder: Any, key: Any, value: Any) -> None:
         del holder[key]
     else:
         holder[key] = value
+
+
+def _moved(place: tuple[Any, Any, Any]) -> bool:
+    """Whether a place holds something else than it did (`_places`)."""
+    holder, key, value = place
+    now = _get(holder, key)
+    if key is not _CONTENTS:
+        return now is not value
+    return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))
 
 
 def _alias(copy: torch.Tensor, slot: _Slot, name: str, t: torch.Tensor) -> torch.Tensor:

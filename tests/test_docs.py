@@ -17,6 +17,7 @@ import copy
 import functools
 import io
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -795,3 +796,31 @@ def test_hook_on_the_input_with_autograd_grad_inside_fn():
     assert not torch.equal(grad(rematerialize(fn)), grad(fn)), STALE
     with pytest.raises(remat.RecomputeError):
         grad(rematerialize(fn, policy="save_matmuls"))
+
+
+SHARED: torch.Tensor = torch.ones(2)  # a global the region reads, rebound before its backward
+
+
+def test_other_threads_see_the_forwards_state_during_a_recompute():
+    """A thread that reads a rebound global while the recompute runs sees the forward's."""
+    global SHARED
+    SHARED = torch.ones(2)
+    seen: list[float] = []
+    calls = 0
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the recompute: another thread reads the global meanwhile
+            reader = threading.Thread(target=lambda: seen.append(SHARED[0].item()))
+            reader.start()
+            reader.join(timeout=60)
+        return (x * SHARED).sin().sum()
+
+    x = torch.ones(2, requires_grad=True)
+    y = rematerialize(fn)(x)
+    SHARED = torch.full((2,), 5.0)
+    y.backward()
+    assert seen == [1.0], STALE
+    assert torch.equal(x.grad, torch.ones(2).cos())
+    assert SHARED[0].item() == 5.0

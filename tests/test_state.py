@@ -10,6 +10,7 @@ globals, partials and objects, under every policy, in eager mode and under
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import re
@@ -972,6 +973,62 @@ def _scaled_by(place: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Call
         return lambda x: x * table[key], lambda: table.__setitem__(key, table[key] + 1)
     held = _Scaler(scale) if place == "object" else _Attribute(scale)
     return held, lambda: setattr(held, "scale", held.scale + 1)
+
+
+HISTORY: list[torch.Tensor] = []  # a global list the regions below read (and change)
+
+
+def _contents_changed(how: str) -> tuple[Callable[..., torch.Tensor], Callable[[], Any]]:
+    """A function that reads tensors from a container whose contents change: between the
+    forward and the backward (``rebind``), or in the forward itself."""
+    global REBOUND, HISTORY
+    scale = torch.linspace(0.5, 1.5, 6, dtype=DTYPE)
+    if how == "two paths":  # a global also held in a list the code names
+        REBOUND, HISTORY = scale, [scale]
+
+        def both(x: torch.Tensor) -> torch.Tensor:
+            assert REBOUND is not None
+            return x * REBOUND * len(HISTORY)
+
+        def rebind_global() -> None:
+            global REBOUND
+            REBOUND = REBOUND + 1  # type: ignore[operator]
+
+        return both, rebind_global
+    if how in ("appended", "shrunk"):
+        first = [scale * (1 + i) for i in range(4)]
+        items = first if how == "appended" else collections.deque(first)
+        if how == "appended":
+            return lambda x: x * sum(items), lambda: items.append(scale)
+        return lambda x: x * items[0], items.popleft
+    HISTORY = [scale]
+
+    def appends(x: torch.Tensor) -> torch.Tensor:  # reads the last, appends one
+        HISTORY.append(HISTORY[-1] * 1.5)
+        return x * HISTORY[-2]
+
+    return appends, lambda: None
+
+
+@pytest.mark.parametrize("how", ["two paths", "appended", "shrunk", "appended by the forward"])
+@each_policy
+def test_container_contents_changed_before_backward(policy, how):
+    """A list or deque ``fn`` reads tensors from, changed between the forward and the
+    backward or by the forward; a global also reached through a list. The recompute reads
+    what the forward read, and the containers end as plain's."""
+
+    def grads(wrap: Callable[..., Any]) -> list[Any]:
+        scaled, rebind = _contents_changed(how)
+        region = wrap(lambda x: (scaled(x).tanh() * x).exp())
+        result: list[Any] = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            y = region(x).sum()
+            rebind()
+            result.append(torch.autograd.grad(y, x)[0])
+        return [*result, len(HISTORY)]
+
+    assert_tree_equal(grads(functools.partial(remat.remat, policy=policy)), grads(lambda f: f))
 
 
 @pytest.mark.parametrize("place", ["closure", "global", "dict", "list", "object", "module"])
