@@ -926,39 +926,45 @@ class _RecomputePack:
     def __call__(self, t: torch.Tensor) -> Any:
         if self.stopped:  # ``fn`` caught `_Stop` and went on
             raise _Stop
-        with QUIET:
+        if _torch_private.dispatch_modes():  # (its ops are remat's own: no mode may see them)
+            with QUIET:
+                return self._collect(t)
+        return self._collect(t)
+
+    def _collect(self, t: torch.Tensor) -> Any:
+        """The value ``t`` stands for, if it is one the backward needs."""
+        if self.replayer is not None:
+            index = self.replayer.handle(t)
+        elif next(self.kinds, 1):
+            index, self.count = self.count, self.count + 1
+        else:
+            index = None
+        if index is None:
+            return t
+        if self.check is not None:
+            forward = self.check[index] if index < len(self.check) else None
+            node = t.grad_fn
+            if (
+                forward is None
+                or t.shape != forward[0]
+                or t.dtype is not forward[1]
+                or t.device != forward[2]
+                or (None if node is None else type(node)) is not forward[3]
+            ):
+                self._compare(index, t)  # raises, unless the producers only look different
+        value: Any
+        if self.matched is not None:
+            assert self.replayer is not None
+            value = _Matched(t, self.replayer)
+            self.matched.append(value)
+        else:
+            value = self.keep(t)
             if self.replayer is not None:
-                index = self.replayer.handle(t)
-            elif next(self.kinds, 1):
-                index, self.count = self.count, self.count + 1
-            else:
-                index = None
-            if index is None:
-                return t
-            if self.check is not None:
-                forward = self.check[index] if index < len(self.check) else None
-                node = t.grad_fn
-                if (
-                    forward is None
-                    or t.shape != forward[0]
-                    or t.dtype is not forward[1]
-                    or t.device != forward[2]
-                    or (None if node is None else type(node)) is not forward[3]
-                ):
-                    self._compare(index, t)  # raises, unless the producers only look different
-            value: Any
-            if self.matched is not None:
-                assert self.replayer is not None
-                value = _Matched(t, self.replayer)
-                self.matched.append(value)
-            else:
-                value = self.keep(t)
-                if self.replayer is not None:
-                    self.replayer.handed_back(value)
-            if index in self.needed and index not in self.values:
-                self.values[index] = value
-                self.versions.append((index, t, t._version))
-                self.remaining -= 1
+                self.replayer.handed_back(value)
+        if index in self.needed and index not in self.values:
+            self.values[index] = value
+            self.versions.append((index, t, t._version))
+            self.remaining -= 1
         if not self.remaining:
             self.stopped = True
             raise _Stop

@@ -295,6 +295,10 @@ def owner_of(fn: Callable[..., Any], first: Any = None) -> Any:
 
 _TENSOR, _VERSION = operator.attrgetter("tensor"), operator.attrgetter("_version")
 _SLOT_VERSION, _SLOT_MEMORY = operator.attrgetter("version"), operator.attrgetter("memory")
+_TRAINING = operator.attrgetter("training")
+
+
+_TABLE, _NAME = operator.attrgetter("table"), operator.attrgetter("name")
 
 
 class _Slot(NamedTuple):
@@ -336,11 +340,63 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
+class _Tree(NamedTuple):
+    """What `_submodules` found under some modules, and what tells it is still so."""
+
+    roots: list[weakref.ref[nn.Module]]
+    found: list[nn.Module]
+    held: list[tuple[dict[str, Any], str, nn.Module]]
+    tables: list[dict[str, Any]]  # each found module's ``_modules``
+    sizes: list[int]  # their lengths
+    parents: list[dict[str, Any]]  # the table of each held submodule,
+    names: list[str]  # its name there,
+    children: list[int]  # and its id
+    kinds: list[type]  # each found module's class (FSDP2's ``fully_shard`` changes it)
+
+
+_TREES: dict[tuple[int, ...], _Tree] = {}  # ids of the modules a region reaches -> tree
+
+
 def _submodules(
     modules: list[nn.Module],
 ) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
     """Every module under ``modules`` (themselves included), each once, depth first; and
-    where each submodule is held (its parent's table, its name)."""
+    where each submodule is held (its parent's table, its name).
+
+    Walked once per set of modules, then checked at each call in native loops: the same
+    modules, classes and submodules, in tables of the same sizes.
+    """
+    key = tuple(map(id, modules))
+    tree = _TREES.get(key)
+    if (
+        tree is not None
+        and [id(root()) for root in tree.roots] == list(key)
+        and list(map(len, tree.tables)) == tree.sizes
+        and list(map(id, map(dict.get, tree.parents, tree.names))) == tree.children
+        and list(map(type, tree.found)) == tree.kinds
+    ):
+        return tree.found, tree.held
+    found, held = _walk(modules)
+    if len(_TREES) > 1024:  # (a program that makes new modules at every call)
+        _TREES.clear()
+    tables = [module._modules for module in found]
+    _TREES[key] = _Tree(
+        list(map(weakref.ref, modules)),
+        found,
+        held,
+        tables,
+        list(map(len, tables)),
+        [parent for parent, _, _ in held],
+        [name for _, name, _ in held],
+        [id(child) for _, _, child in held],
+        list(map(type, found)),
+    )
+    return found, held
+
+
+def _walk(
+    modules: list[nn.Module],
+) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
     found: list[nn.Module] = []
     held: list[tuple[dict[str, Any], str, nn.Module]] = []
     seen: set[int] = set()
@@ -473,6 +529,7 @@ class ModuleState:
         "ended",
         "generators",
         "held",
+        "inputs",
         "learners",
         "loose",
         "lost",
@@ -493,6 +550,7 @@ class ModuleState:
 
     def __init__(self) -> None:
         self.slots: list[_Slot] = []
+        self.inputs = 0  # how many of them are the region's inputs (the first)
         self.snapshots: dict[int, torch.Tensor] = {}  # slot index -> value before the forward
         # Slots the forward writes and reads only as batch norm's running statistics: no
         # snapshot; the recompute writes scratch memory (`_write_only`, `_Scratch`).
@@ -569,9 +627,10 @@ class ModuleState:
             else:
                 state._wrapped(len(state.slots), x)
             state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
+        state.inputs = len(state.slots)
         unlearned = [] if seen else [owner]
         submodules, state.held = _submodules(reached.modules)
-        state.modes = [(sub, sub.training) for sub in submodules]
+        state.modes = list(zip(submodules, map(_TRAINING, submodules), strict=True))
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
@@ -807,11 +866,13 @@ class ModuleState:
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         slots = self.slots
         # The usual: no copies to make, and every slot as the forward left it.
+        tabled = slots[self.inputs :]  # (the inputs' slots come first, and have no table)
         unchanged = (
             self.settled
             and not (self.scratch or self.snapshots)
             and list(map(_VERSION, map(_TENSOR, slots))) == self.ended
-            and all(s.table is None or s.table.get(s.name) is s.tensor for s in slots)
+            and list(map(id, map(dict.get, map(_TABLE, tabled), map(_NAME, tabled))))
+            == list(map(id, map(_TENSOR, tabled)))
         )
         made: dict[int, torch.Tensor] = {}  # slot index -> its copy
         for i, slot in enumerate(() if unchanged else slots):

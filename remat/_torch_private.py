@@ -36,6 +36,7 @@ else:
 
 __all__ = [
     "current_graph_task_id",
+    "dispatch_modes",
     "graph_retained",
     "functorch_cleared",
     "functorch_interpreters",
@@ -85,13 +86,14 @@ __all__ = [
 ]
 
 
-def current_graph_task_id() -> int:
-    """Id of the backward pass running on this thread, or -1 outside backward.
+# Id of the backward pass running on this thread, or -1 outside backward. Recompute
+# happens once per backward pass, so values are keyed by the pass; autograd exposes no
+# public notion of "which backward is this". (The native function itself: it runs at
+# every unpack.)
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
-    Recompute happens once per backward pass, so values are keyed by the pass;
-    autograd exposes no public notion of "which backward is this".
-    """
-    return int(torch._C._current_graph_task_id())
+# How many torch dispatch modes are active (outside torch's own infrastructure modes).
+dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 
 def graph_retained() -> bool:

@@ -1161,3 +1161,55 @@ def test_attribute_sharing_memory_with_an_updated_buffer(policy, view, before):
 
     kept = remat.apply(_ReadsStatistic(view, before), policy=policy)
     assert_tree_equal(train(kept), train(_ReadsStatistic(view, before)))
+
+
+class _Changing(nn.Module):
+    """A model whose module tree changes between steps, as ``change`` says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(6, 6).to(DTYPE)
+        self.second = nn.Sequential(nn.BatchNorm1d(6), nn.Tanh()).to(DTYPE)
+        self.extra: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.second(self.first(x))
+        return h if self.extra is None else self.extra(h)
+
+
+def _change(model: _Changing, how: str) -> None:
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.BatchNorm1d(6), nn.Sigmoid()).to(DTYPE)
+    if how == "replaced":
+        model.second = fresh
+    elif how == "added":
+        model.extra = fresh
+    elif how == "nested":  # a grandchild replaced: the children keep their places
+        model.second[0] = fresh[0]
+    else:  # the class of a submodule changes (as FSDP2's fully_shard does)
+        model.second[0].__class__ = type("Norm", (nn.BatchNorm1d,), {})
+
+
+@pytest.mark.parametrize("how", ["replaced", "added", "nested", "class"])
+@each_policy
+def test_module_tree_changed_between_steps(policy, how):
+    """A submodule replaced, added, replaced deeper down, or given another class between
+    steps: the region walks the new tree (it keeps the walk while the tree is the same),
+    and trains as plain, batch norm statistics included (a stale walk updates the new
+    module's statistics a second time in the recompute)."""
+
+    def train(model: _Changing, wrap: Callable[..., Any]) -> list[Any]:
+        results: list[Any] = []
+        for step in range(3):
+            if step == 2:
+                _change(model, how)
+            x = _batch(step).requires_grad_()
+            out = wrap(model)(x)
+            out.sum().backward()
+            results += [out.detach(), x.grad, {k: v.clone() for k, v in model.state_dict().items()}]
+            model.zero_grad()
+        return results
+
+    kept = train(_Changing(), functools.partial(remat.remat, policy=policy))
+    assert_tree_equal(kept, train(_Changing(), lambda f: f))

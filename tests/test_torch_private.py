@@ -170,6 +170,15 @@ def test_current_graph_task_id():
     assert tp.current_graph_task_id() == -1
 
 
+def test_dispatch_modes_counts_the_active_torch_dispatch_modes():
+    assert tp.dispatch_modes() == 0
+    with tp.TorchDispatchMode():
+        assert tp.dispatch_modes() == 1
+        with tp.TorchDispatchMode():
+            assert tp.dispatch_modes() == 2
+    assert tp.dispatch_modes() == 0
+
+
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")
 def test_in_compiled_autograd_is_true_only_while_compiled_autograd_runs_a_backward():
     from torch._dynamo import compiled_autograd
