@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -258,15 +259,11 @@ def _autocast_state() -> tuple[Any, ...]:
     )
 
 
-@contextlib.contextmanager
-def _autocast(state: tuple[Any, ...]) -> Iterator[None]:
-    if state == _autocast_state():
-        yield
-        return
-    with contextlib.ExitStack() as stack:
+def _autocast(stack: contextlib.ExitStack, state: tuple[Any, ...]) -> None:
+    """Enter autocast ``state`` on ``stack`` (nothing, where it is the state already)."""
+    if state != _autocast_state():
         for device, (enabled, dtype) in zip(_AUTOCAST_DEVICES, state, strict=True):
             stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-        yield
 
 
 def _hooks_added(tensors: list[torch.Tensor]) -> Callable[[], None]:
@@ -421,10 +418,11 @@ class _Setting:
             stack.callback(pack.finish)  # once the dispatch mode below has exited
         running = _Running(None, pack, pack.unpack, under_transforms=False)
         stack.enter_context(_torch_private.region_running(running))
-        stack.enter_context(_autocast(self.autocast))
+        _autocast(stack, self.autocast)
         for function_mode in self.function_modes:
             stack.enter_context(function_mode)
-        stack.enter_context(_torch_private.subclass_functions(self.functions))
+        if _torch_private.subclass_functions_enabled() != self.functions:
+            stack.enter_context(_torch_private.subclass_functions(self.functions))
         if self.levels:
             stack.enter_context(_torch_private.saved_tensors_hooks_enabled())
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, pack.unpack))
@@ -769,7 +767,8 @@ class _Unpack:
     def recompute(self, only: int | None = None) -> dict[int, torch.Tensor]:
         region = self.region
         if only is None:
-            needed = {i for i, ref in enumerate(region.handles) if ref() is not None}
+            alive = map(weakref.ref.__call__, region.handles)  # (native loops: they are many)
+            needed = set(itertools.compress(itertools.count(), alive))
         else:
             needed = {only}
         if not needed:

@@ -416,7 +416,7 @@ def _walk(
 def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
     """Ids of the modules inside FSDP2 units (the units included): FSDP2 owns their parameters."""
     owned: set[int] = set()
-    if fsdp is not None:
+    if fsdp is not None and any(map(isinstance, submodules, itertools.repeat(fsdp))):
         for sub in submodules:
             if id(sub) not in owned and isinstance(sub, fsdp):
                 owned.update(id(m) for m in sub.modules())
