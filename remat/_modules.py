@@ -187,8 +187,12 @@ def _places(roots: list[Any], wanted: set[int]) -> list[tuple[Any, Any, Any]]:
     leads: set[int] = set()  # objects on a path to a wanted one
 
     def record(node: tuple[Any, Any, Any, int]) -> None:
+        first = True
         while True:
             holder, key, obj, parent = node
+            if not first and id(obj) in leads:
+                return  # (the rest of its path is recorded)
+            first = False
             leads.add(id(obj))
             if holder is not None:
                 places[id(holder), key] = (holder, key, obj)
@@ -981,9 +985,14 @@ def _put(holder: Any, key: Any, value: Any) -> None:
 
 
 def _moved(place: tuple[Any, Any, Any]) -> bool:
-    """Whether a place holds something else than it did (`_places`)."""
+    """Whether a place holds something else than it did (`_places`), and can be put back:
+    not a dict's deleted entry, which would come back last (``fn`` may iterate the dict),
+    unless the dict is a module's globals."""
     holder, key, value = place
     now = _get(holder, key)
+    if now is _ABSENT and key is not None and key is not _CONTENTS:
+        module = sys.modules.get(holder.get("__name__", ""))
+        return getattr(module, "__dict__", None) is holder
     if key is not _CONTENTS:
         return now is not value
     return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))

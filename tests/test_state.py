@@ -1213,3 +1213,27 @@ def test_module_tree_changed_between_steps(policy, how):
 
     kept = train(_Changing(), functools.partial(remat.remat, policy=policy))
     assert_tree_equal(kept, train(_Changing(), lambda f: f))
+
+
+@each_policy
+def test_dict_entry_deleted_before_backward_is_not_put_back_last(policy):
+    """``fn`` iterates a dict of tensors, and an entry is deleted between the forward and
+    the backward: put back, it would come last, and the recompute would multiply in
+    another order (other gradients, with no error). It is left deleted: the recompute
+    raises, or gives plain's gradients."""
+    table = {i: torch.linspace(0.5 + i, 1.5, 6, dtype=DTYPE) for i in range(4)}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for t in table.values():
+            x = (x * t).sin()
+        return x.pow(2).sum()
+
+    x = _batch(0).requires_grad_()
+    expected = torch.autograd.grad(fn(x), x)[0]
+    y = remat.remat(fn, policy=policy)(x)
+    del table[0]
+    try:
+        got = torch.autograd.grad(y, x)[0]
+    except remat.RecomputeError:
+        return
+    assert_tree_equal(got, expected)
