@@ -158,7 +158,7 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
             reached.generators.append(obj)
         elif isinstance(obj, nn.Module):
             reached.modules.append(obj)
-        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        elif isinstance(obj, _SEQUENCES):
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
@@ -209,14 +209,16 @@ def _places(roots: list[Any], wanted: set[int]) -> list[tuple[Any, Any, Any]]:
         obj = node[2]
         if type(obj) in _ATOMS:
             continue
+        if id(obj) in wanted:  # (by every path)
+            record(node)
+            continue
         if id(obj) in seen:  # another path to it (its own were walked already)
             if id(obj) in leads:
                 record(node)
             continue
         seen.add(id(obj))
-        if id(obj) in wanted:
-            record(node)
-            continue
+        if isinstance(obj, _SEQUENCES) and not wanted.isdisjoint(map(id, obj)):
+            record(node)  # (its wanted items: one place, found natively)
         nodes.append(node)
         here = len(nodes) - 1
         stack.extend((h, k, part, here) for h, k, part in _keyed_parts(obj))
@@ -235,8 +237,8 @@ def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
         return []
     if isinstance(obj, dict):
         return [(obj, key, part) for key, part in obj.items()]
-    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-        return [(None, None, part) for part in obj]  # (a list's place is all of it)
+    if isinstance(obj, _SEQUENCES):  # (a list's place is all of it; `_places` finds tensors)
+        return [(None, None, part) for part in obj if type(part) not in _LEAVES]
     if isinstance(obj, functools.partial):
         return [(None, None, part) for part in (obj.func, *obj.args, obj.keywords)]
     if isinstance(obj, types.FunctionType):
@@ -256,6 +258,8 @@ def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
 
 # Leaves that hold nothing to find: skipped first (most arguments are these).
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+_LEAVES = _ATOMS | {torch.Tensor, nn.Parameter, torch.Generator}
+_SEQUENCES = (list, tuple, set, frozenset, collections.deque)
 
 
 def _callable_parts(fn: Any) -> list[Any]:

@@ -1001,6 +1001,14 @@ def _contents_changed(how: str) -> tuple[Callable[..., torch.Tensor], Callable[[
         if how == "appended":
             return lambda x: x * sum(items), lambda: items.append(scale)
         return lambda x: x * items[0], items.popleft
+    if how == "nested":  # tensors beside a list and a dict, in a list
+        nested: list[Any] = [scale, [scale * 2], {"s": scale * 3}]
+
+        def change() -> None:
+            nested[1].append(scale)
+            nested[2]["s"] = nested[2]["s"] + 1
+
+        return lambda x: x * nested[0] * sum(nested[1]) * nested[2]["s"], change
     HISTORY = [scale]
 
     def appends(x: torch.Tensor) -> torch.Tensor:  # reads the last, appends one
@@ -1010,7 +1018,9 @@ def _contents_changed(how: str) -> tuple[Callable[..., torch.Tensor], Callable[[
     return appends, lambda: None
 
 
-@pytest.mark.parametrize("how", ["two paths", "appended", "shrunk", "appended by the forward"])
+@pytest.mark.parametrize(
+    "how", ["two paths", "appended", "shrunk", "nested", "appended by the forward"]
+)
 @each_policy
 def test_container_contents_changed_before_backward(policy, how):
     """A list or deque ``fn`` reads tensors from, changed between the forward and the
