@@ -712,7 +712,11 @@ class ModuleState:
                     continue
                 memory = _storage(t)
                 if memory in shared:
-                    self.aliases.append((table, name, t, shared[memory]))
+                    i = shared[memory]
+                    self.aliases.append((table, name, t, i))
+                    if i in self.scratch:  # (its values are read: the slot needs a copy)
+                        self.scratch.discard(i)
+                        self.snapshots[i] = self._snapshot(i, slots[i].tensor)
                     continue
                 shared[memory] = len(slots)
                 if record is None and sub not in unlearned:

@@ -1131,14 +1131,31 @@ class _Statistic(nn.Module):
         return h
 
 
+class _Normed(nn.Module):
+    """Batch norm's running mean as the statistic: the recompute writes it into scratch
+    memory, unless its values are read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.norm = nn.BatchNorm1d(6).to(DTYPE)
+
+    @property
+    def running(self) -> torch.Tensor:
+        return self.norm.running_mean
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
 class _ReadsStatistic(nn.Module):
     """Keeps its child's buffer (or a view of it) as a plain attribute, read before or after
     the child updates it."""
 
-    def __init__(self, view: bool, before: bool) -> None:
+    def __init__(self, view: bool, before: bool, norm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child = _Statistic()
+        self.child = _Normed() if norm else _Statistic()
         self.statistic = self.child.running[1:] if view else self.child.running
         self.before = before
 
@@ -1148,15 +1165,18 @@ class _ReadsStatistic(nn.Module):
         return self.child(x).tanh() * self.statistic.sum()
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["buffer", "batch norm's"])
 @pytest.mark.parametrize("before", [False, True], ids=["read after", "read before"])
 @pytest.mark.parametrize("view", [False, True], ids=["same tensor", "view"])
 @each_policy
-def test_attribute_sharing_memory_with_an_updated_buffer(policy, view, before):
+def test_attribute_sharing_memory_with_an_updated_buffer(policy, view, before, norm):
     """A plain attribute that is a submodule's buffer (or a view of it), which the forward
     updates: plain's training; the recompute gives it the same view of the buffer's copy.
     Read after the update, as a slot of its own it got a copy the update did not reach;
     read before it, it read the live buffer, which the forward had updated (other gradients
-    under the default policy, with no error; the per-op policies raised)."""
+    under the default policy, with no error; the per-op policies raised). Batch norm's
+    running mean, which the recompute wrote into scratch memory: a view of it read before
+    the update read the updated buffer (other gradients under every policy, no error)."""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1169,8 +1189,8 @@ def test_attribute_sharing_memory_with_an_updated_buffer(policy, view, before):
             model.zero_grad()
         return results
 
-    kept = remat.apply(_ReadsStatistic(view, before), policy=policy)
-    assert_tree_equal(train(kept), train(_ReadsStatistic(view, before)))
+    kept = remat.apply(_ReadsStatistic(view, before, norm), policy=policy)
+    assert_tree_equal(train(kept), train(_ReadsStatistic(view, before, norm)))
 
 
 class _Changing(nn.Module):
