@@ -162,7 +162,8 @@ def test_make_gpu_check_offline_uses_the_machines_python_and_the_wheels(tmp_path
     install = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--target"]
     site, workers = str(out / "site"), str(min(8, os.cpu_count() or 1))
     ignore = [f"--ignore={path}" for path in gpu_check.LEFT_OUT]
-    pytest = [python, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-n", workers, *ignore]
+    off = ["-p", "no:cacheprovider", "-p", "no:benchmark"]
+    pytest = [python, "-P", "-m", "pytest", *off, "-n", workers, *ignore]
     assert [[python, *c["args"]] for c in calls[2:]] == [
         [*install, site, *map(str, carried)],
         [*install, site, "--no-build-isolation", str(ROOT)],
