@@ -53,6 +53,21 @@ _local = threading.local()
 _DRAWING = threading.RLock()
 
 
+def _state(generator: torch.Generator) -> torch.Tensor:
+    """``generator.get_state()``, holding `_DRAWING` (the generators are shared). torch's
+    getter holds the generator's mutex while it wraps the state as a Python tensor, which
+    can run the garbage collector and give up the GIL: another thread's getter that holds
+    the GIL then waits for that mutex, and both wait for ever."""
+    with _DRAWING:
+        return generator.get_state()
+
+
+def _set_state(generator: torch.Generator, state: torch.Tensor) -> None:
+    """``generator.set_state(state)``, holding `_DRAWING` (see `_state`)."""
+    with _DRAWING:
+        generator.set_state(state)
+
+
 def threaded() -> bool:
     """Whether other threads are alive, which may draw from the shared generators.
 
@@ -146,7 +161,7 @@ def _set_inside(generator: torch.Generator, seen: bytes, before: torch.Tensor) -
     """Whether ``fn`` seeded or set ``generator`` in a recompute, whose draws are on clones:
     its state moved from ``seen``. With other threads alive, only a seed tells (their
     draws move it too): the state its seed gives, or another seed than ``before``'s."""
-    if _bytes(generator.get_state()) == seen:
+    if _bytes(_state(generator)) == seen:
         return False
     if not threaded():
         return True
@@ -165,8 +180,7 @@ def _standing_for(generator: torch.Generator) -> torch.Generator | None:
     """The generator that ``generator``, a nested region's private one, draws in place of."""
     for private, source in reversed(getattr(_local, "drawing", ())):
         if generator is private or (
-            generator.device == private.device
-            and torch.equal(generator.get_state(), private.get_state())
+            generator.device == private.device and torch.equal(_state(generator), _state(private))
         ):
             return source
     return None
@@ -214,7 +228,7 @@ def _fresh(generator: torch.Generator) -> bool:
     The recompute draws from such a generator itself: ``fn`` made it again, and the
     forward drew the same numbers from its own.
     """
-    return _bytes(generator.get_state()) == _bytes(_initial_state(generator))
+    return _bytes(_state(generator)) == _bytes(_initial_state(generator))
 
 
 def _initial_state(generator: torch.Generator) -> torch.Tensor:
@@ -243,14 +257,17 @@ def _draw(func: Any, args: Any, kwargs: Any, generator: torch.Generator, private
         return func(*args, **{**kwargs, "generator": private})
     # No `generator=` in the schema (CUDA's fused native_dropout), or a tensor subclass's,
     # whose dispatch may draw from the default generator whatever it is given (DTensor):
-    # lend the private state to the op's generator for this one op.
-    caller_state = generator.get_state()
-    generator.set_state(private.get_state())
-    try:
-        out = func(*args, **kwargs)
-        private.set_state(generator.get_state())
-    finally:
-        generator.set_state(caller_state)
+    # lend the private state to the op's generator for this one op. The generator is
+    # shared: another thread's region must not read or lend it meanwhile (a recompute on
+    # autograd's device thread, say, while a forward captures).
+    with _DRAWING:
+        caller_state = generator.get_state()
+        generator.set_state(private.get_state())
+        try:
+            out = func(*args, **kwargs)
+            private.set_state(generator.get_state())
+        finally:
+            generator.set_state(caller_state)
     return out
 
 
@@ -310,19 +327,19 @@ class RngCapture:
         """Without a dispatch mode: read every generator the region may draw from."""
         self.cuda_ready = torch.cuda.is_initialized()
         generators = dict.fromkeys([*_default_generators(), *visible])
-        self.snapshot = [(g, _active(g).get_state()) for g in generators]
+        self.snapshot = [(g, _state(_active(g))) for g in generators]
 
     def finish(self) -> None:
         """Keep the states of the generators the forward drew from, and of every explicit
         one (``fn`` may draw from it and then seed it back where it began)."""
         defaults = _default_generators()
         for generator, state in self.snapshot:
-            if generator not in defaults or not torch.equal(_active(generator).get_state(), state):
+            if generator not in defaults or not torch.equal(_state(_active(generator)), state):
                 self.states.setdefault(generator, state)
         if not self.cuda_ready and torch.cuda.is_initialized():  # first used in the region
             for generator in torch.cuda.default_generators:
                 initial = _initial_state(generator)
-                if not torch.equal(generator.get_state(), initial):
+                if not torch.equal(_state(generator), initial):
                     self.states.setdefault(generator, initial)
         self.snapshot = []
 
@@ -363,13 +380,13 @@ class RngLend:
         # outer's replay lets this one's random ops pass (`_enter_recompute`).
         _enter_recompute(self)
         for generator, state in self.states.items():
-            self.caller.append((generator, generator.get_state()))
-            generator.set_state(state)
+            self.caller.append((generator, _state(generator)))
+            _set_state(generator, state)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for generator, state in reversed(self.caller):
-            generator.set_state(state)
+            _set_state(generator, state)
         self.caller = []
         _exit_recompute()
 
@@ -444,30 +461,30 @@ class RngReplay:
     def __enter__(self) -> RngReplay:
         self.depth = _enter_recompute(self)
         for generator in dict.fromkeys([*self.clones, *_default_generators()]):
-            state = generator.get_state()
+            state = _state(generator)
             self.caller[generator] = (state, _bytes(state), False)
         for generator, state in (self.lent or {}).items():
-            generator.set_state(state)
+            _set_state(generator, state)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _exit_recompute()
         for generator, (state, seen, set_inside) in self.caller.items():
             if self.lent is not None or set_inside or _set_inside(generator, seen, state):
-                generator.set_state(state)
+                _set_state(generator, state)
 
     def _follow(self, generator: torch.Generator, clone: torch.Generator) -> None:
         """If ``fn`` set ``generator``'s state since the last draw, draw on from there."""
         entry = self.caller.get(generator)
         if entry is not None and _set_inside(generator, entry[1], entry[0]):
-            state = generator.get_state()
+            state = _state(generator)
             clone.set_state(state)
             self.caller[generator] = (entry[0], _bytes(state), True)
 
     def next_state(self, clone: torch.Generator) -> torch.Tensor:
         """The state ``clone`` draws the next random op from."""
         states = self.draws.get(clone)
-        return states[-1][0] if states else clone.get_state()
+        return states[-1][0] if states else _state(clone)
 
     def skip(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Leave out random op ``func``'s draw, if the forward kept the state of each op
@@ -494,7 +511,7 @@ class RngReplay:
             clone = generator  # whatever it draws, the caller's state comes back (lent)
             if self.lent is None:  # or not from the caller's
                 clone = torch.Generator(device=generator.device)
-                clone.set_state(generator.get_state())
+                _set_state(clone, _state(generator))
             self.clones[generator] = clone
         if clone is None:
             raise RecomputeError(
@@ -511,7 +528,7 @@ class RngReplay:
                     f"drew from its generator ({generator.device}). `fn` must run the same "
                     "random ops each time it is called."
                 )
-            clone.set_state(_drawn_by(states.pop(), func, clone))
+            _set_state(clone, _drawn_by(states.pop(), func, clone))
         elif self.lent is not None:  # each generator its own clone
             return func(*args, **kwargs)
         else:

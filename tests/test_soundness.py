@@ -558,13 +558,26 @@ def test_input_modified_inside_fn_is_equal_or_named(device, policy, body, nestin
 # 9. Threads with dropout ----------------------------------------------------------------------
 
 
-def _dropout_region(x, w):
-    # Two draws, with the GIL released between them: other threads draw in between.
-    h = x @ w
-    a = F.dropout(h, 0.5, training=True)
-    time.sleep(0)
-    b = F.dropout(h, 0.5, training=True)
-    return a, b, (a + b).sum()
+def _dropout(h):
+    return F.dropout(h, 0.5, training=True)
+
+
+def _native_dropout(h):
+    # The op CUDA's dropout runs: no `generator=` argument, so a draw lends its state to
+    # the shared generator for the op.
+    return torch.native_dropout(h, 0.5, True)[0]
+
+
+def _dropout_region(dropout):
+    def region(x, w):
+        # Two draws, with the GIL released between them: other threads draw in between.
+        h = x @ w
+        a = dropout(h)
+        time.sleep(0)
+        b = dropout(h)
+        return a, b, (a + b).sum()
+
+    return region
 
 
 def _exact_inputs(seed, device):
@@ -575,11 +588,14 @@ def _exact_inputs(seed, device):
     return x.requires_grad_(), w.requires_grad_()
 
 
+@pytest.mark.parametrize("dropout", [_dropout, _native_dropout], ids=["dropout", "native"])
 @each_policy
 @each_device
-def test_threads_with_dropout_match_their_own_masks(device, policy):
-    """4 threads x 30 dropout forward+backward: each gradient follows its own forward's mask."""
-    f = remat(_dropout_region, policy=policy)
+def test_threads_with_dropout_match_their_own_masks(device, policy, dropout):
+    """4 threads x 30 dropout forward+backward: each gradient follows its own forward's mask,
+    also where a draw lends a state to the shared generator (CUDA's dropout: a recompute on
+    autograd's device thread lent it while another thread's forward drew)."""
+    f = remat(_dropout_region(dropout), policy=policy)
     threads, barrier = 4, threading.Barrier(4)
     wrong: list[str] = []
     errors: list[BaseException] = []
