@@ -93,3 +93,18 @@ def test_the_thin_replay_reference_keeps_the_matmuls_and_checks_each_op():
     scale[0] = 3.0  # the recompute's multiplication reads another constant: not the forward's
     with pytest.raises(RuntimeError, match="is not the forward's"):
         out.sum().backward()
+
+
+def test_gpu_steps_smoke_run_times_every_mode_with_plain_s_loss():
+    """``benchmarks.gpu_steps`` (which make gpu-check runs) at tiny sizes: the reference GPT
+    and the Hugging Face Llama in every mode, each loss plain's, and each ratio reported."""
+    gpu_steps = import_benchmark("gpu_steps")
+    size = gpu_steps.sizes(smoke=True)
+    device = torch.device("cpu")
+    gpt, llama = gpu_steps.gpt_rows(size, device), gpu_steps.llama_rows(size, device)
+    assert {row.mode for row in llama} == set(gpu_steps.llama_modes())
+    assert all(row.same_loss and row.times for row in [*gpt, *llama])
+    lines = gpu_steps.ratios(gpt, gpu_steps.GPT_RATIOS) + gpu_steps.ratios(
+        llama, gpu_steps.LLAMA_RATIOS
+    )
+    assert len(lines) == len(gpu_steps.GPT_RATIOS) + len(gpu_steps.LLAMA_RATIOS)

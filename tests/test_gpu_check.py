@@ -71,6 +71,8 @@ if module == "benchmarks.suite":
     out = Path(args[args.index("--out") + 1])
     out.mkdir(parents=True)
     (out / "results.md").write_text("Memory: CUDA allocator.\\n")
+if module == "benchmarks.gpu_steps":
+    print("remat save_matmuls / torch SAC: 1.000x")
 """
 FOUND = {
     "torch": "2.11.0+cu130",
@@ -170,6 +172,7 @@ def test_make_gpu_check_offline_uses_the_machines_python_and_the_wheels(tmp_path
         [*pytest, "-m", "cuda", "-v", "tests", f"--junitxml={out / 'cuda.xml'}"],
         [*pytest, "-m", "not cuda", "tests", f"--junitxml={out / 'other.xml'}"],
         [python, "-m", "benchmarks.suite", "--out", str(out / "bench")],
+        [python, "-m", "benchmarks.gpu_steps"],
     ]
     for call in calls[2:]:
         assert (call["PIP_NO_INDEX"], call["PYTHONPATH"].split(os.pathsep)[0]) == ("1", site)
@@ -183,6 +186,7 @@ def test_make_gpu_check_offline_uses_the_machines_python_and_the_wheels(tmp_path
     assert report.startswith("# make gpu-check: PASS\n")
     assert "- device: NVIDIA H100 80GB HBM3 (compute capability 9.0, 79 GiB), 1 visible\n" in report
     assert f"- torch 2.11.0+cu130, CUDA 13.0, driver 580.159.04; {python}\n" in report
+    assert report.endswith("## GPU steps\n\nremat save_matmuls / torch SAC: 1.000x\n")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs torch without CUDA")
@@ -268,7 +272,7 @@ def test_report_passes_when_every_check_did(tmp_path: Path) -> None:
     done = _checks(tmp_path, **{"cuda.xml": {"tests": 2}, "other.xml": {"skipped": 1}})
     for check in done:
         gpu_check.judge(check, tmp_path)
-    assert [c.problem for c in done] == ["", "", ""]
+    assert [c.problem for c in done] == ["", "", "", ""]
     text = gpu_check.report(["device: X"], done, tmp_path, len(done))
     assert text.startswith("# make gpu-check: PASS\n")
     assert "| CUDA tests | ok | 2 | 0 | 0 |" in text
@@ -290,6 +294,7 @@ def test_report_fails_on_a_skipped_cuda_test_a_failure_or_a_cpu_bench(tmp_path: 
         "a CUDA test was skipped on a machine with a GPU",
         "exit status 1",
         "the bench did not measure with the CUDA allocator",
+        "",
     ]
     text = gpu_check.report(["device: X"], done, tmp_path)
     assert text.startswith("# make gpu-check: FAIL\n")
@@ -307,7 +312,7 @@ def test_report_of_a_failed_install_fails_and_says_what_did_not_run(tmp_path: Pa
     text = gpu_check.report(["device: X"], [install], tmp_path, 2 + len(todo))
     assert text.startswith("# make gpu-check: FAIL\n")
     assert "| install the carried wheels | exit status 1 |" in text
-    assert "Stopped after install the carried wheels: 4 checks not run.\n" in text
+    assert "Stopped after install the carried wheels: 5 checks not run.\n" in text
 
 
 DETERMINISM_PROBE = """

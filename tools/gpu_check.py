@@ -7,8 +7,9 @@ use the GPU. It installs the few packages that Python lacks (`CARRIED`) from the
 ``make gpu-wheels`` downloaded on a machine with network, with ``pip --no-index``, and then
 remat from this tree, both into one folder put on ``PYTHONPATH``. Then it runs the whole test
 suite: the CUDA tests (the ``cuda`` marker, on the corpora's ``device="cuda"`` cases too;
-none may skip) and the rest; and the benchmark suite, whose memory columns then come from
-the CUDA allocator. Writes ``gpu-check-report.md`` and the logs into ``--out``; exits 1 if
+none may skip) and the rest; the benchmark suite, whose memory columns then come from
+the CUDA allocator; and ``benchmarks.gpu_steps``, the step times of the reference GPT and
+a Hugging Face Llama. Writes ``gpu-check-report.md`` and the logs into ``--out``; exits 1 if
 a check failed, or if that Python's torch cannot be used.
 """
 
@@ -202,6 +203,8 @@ def checks(python: str, out: Path, workers: int) -> list[Check]:
         Check(
             "bench", [python, "-m", "benchmarks.suite", "--out", str(out / "bench")], "bench.log"
         ),
+        # Step times where Python issues the kernels: the reference GPT and an HF Llama.
+        Check("GPU steps", [python, "-m", "benchmarks.gpu_steps"], "gpu-steps.log"),
     ]
 
 
@@ -282,6 +285,9 @@ def report(machine: list[str], done: list[Check], out: Path, planned: int | None
     results = out / "bench" / "results.md"
     if results.exists():
         lines += ["", "## bench", "", results.read_text()]
+    steps = out / "gpu-steps.log"
+    if steps.exists():
+        lines += ["", "## GPU steps", "", steps.read_text()]
     return "\n".join(lines).rstrip() + "\n"
 
 
