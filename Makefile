@@ -87,9 +87,12 @@ docs: $(PKG)
 # network). Without a GPU it says so and exits 0, before any set-up.
 GPU_CHECK_OUT ?= build/gpu-check
 GPU_WHEELS ?= .whl
+# Some of the checks only, by name (cuda,other,bench,gpu-steps): a short lease runs cuda first.
+GPU_CHECKS ?=
 gpu-check:
 	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
-		$(PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --wheels $(GPU_WHEELS); \
+		$(PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --wheels $(GPU_WHEELS) \
+			$(if $(GPU_CHECKS),--only $(GPU_CHECKS)); \
 	else \
 		echo "make gpu-check: skipped: no NVIDIA GPU on this machine (nvidia-smi -L lists none)."; \
 		echo "With one, it runs the whole test suite (the CUDA tests among it) and the bench"; \

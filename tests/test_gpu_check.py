@@ -189,6 +189,45 @@ def test_make_gpu_check_offline_uses_the_machines_python_and_the_wheels(tmp_path
     assert report.endswith("## GPU steps\n\nremat save_matmuls / torch SAC: 1.000x\n")
 
 
+def test_make_gpu_check_runs_only_the_checks_named(tmp_path: Path) -> None:
+    """GPU_CHECKS=cuda,gpu-steps: the installs, then those two; the report says what did not
+    run, and passes only in part."""
+    env = _fake_machine(tmp_path, FOUND)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for pin in gpu_check.pins():
+        _wheel(wheels, pin)
+    out, python = tmp_path / "out", str(tmp_path / "bin" / "python3")
+    done = _make(
+        "gpu-check",
+        f"PYTHON={python}",
+        f"GPU_CHECK_OUT={out}",
+        f"GPU_WHEELS={wheels}",
+        "GPU_CHECKS=cuda,gpu-steps",
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    run = [c["args"][c["args"].index("-m") + 1] for c in calls[2:]]
+    assert run == ["pip", "pip", "pytest", "benchmarks.gpu_steps"]
+    assert "-m cuda" in " ".join(calls[4]["args"])
+    report = (out / gpu_check.REPORT).read_text()
+    assert report.startswith("# make gpu-check: PASS, in part\n")
+    assert "- not run (`--only`): other tests, bench\n" in report
+
+
+def test_an_unknown_check_name_stops_before_anything_runs(tmp_path: Path, capsys) -> None:
+    """--only with a name that is no check's: a usage error naming the checks, before the
+    probe of torch (no GPU needed to see it)."""
+    argv = ["--out", str(tmp_path), "--wheels", str(tmp_path), "--python", "/nonexistent"]
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.main([*argv, "--only", "cuda,steps"])
+    assert stopped.value.code == 2
+    assert "--only: no check named steps; the checks are cuda, other, bench, gpu-steps" in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs torch without CUDA")
 def test_a_torch_without_cuda_stops_the_check_with_the_fix() -> None:
     """A GPU that this Python's torch cannot use stops the check, saying what to run."""

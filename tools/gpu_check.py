@@ -175,6 +175,11 @@ class Check:
     def ok(self) -> bool:
         return self.returncode == 0 and not self.problem
 
+    @property
+    def key(self) -> str:
+        """What ``--only`` calls it: its log's name, ``cuda`` for ``cuda.log``."""
+        return Path(self.log).stem
+
 
 def setup(python: str, out: Path, wheels: Sequence[Path]) -> list[Check]:
     """The installs into ``out/site``, from files only: pip never looks at an index."""
@@ -260,12 +265,23 @@ def run(check: Check, out: Path) -> None:
     print(f"gpu-check: {check.name}: {'ok' if check.ok else check.problem}", flush=True)
 
 
-def report(machine: list[str], done: list[Check], out: Path, planned: int | None = None) -> str:
-    """The Markdown report: machine, one row per check, what was left out, the bench's tables."""
+def report(
+    machine: list[str],
+    done: list[Check],
+    out: Path,
+    planned: int | None = None,
+    skipped: Sequence[str] = (),
+) -> str:
+    """The Markdown report: machine, one row per check, what was left out, the bench's tables.
+    ``skipped``: the checks that ``--only`` left out."""
     complete = planned is None or len(done) == planned
     verdict = "PASS" if complete and all(c.ok for c in done) else "FAIL"
+    if skipped and verdict == "PASS":
+        verdict = "PASS, in part"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# make gpu-check: {verdict}", "", f"{when}.", "", *[f"- {m}" for m in machine]]
+    if skipped:
+        lines += [f"- not run (`--only`): {', '.join(skipped)}"]
     lines += ["", "| check | result | passed | failed | skipped | time | log |"]
     lines += ["|---|---|---:|---:|---:|---:|---|"]
     for c in done:
@@ -302,24 +318,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--python", default=sys.executable, help="the Python under test (default: this one)"
     )
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument(
+        "--only",
+        help="the checks to run, by name, comma-separated: cuda, other, bench, gpu-steps "
+        "(default: all; the installs always run)",
+    )
     args = parser.parse_args(argv)
     if args.download:
         return subprocess.run(download_command(args.python, args.wheels), check=False).returncode
     if args.out is None:
         parser.error("--out is required")
+    out = args.out.resolve()
+    todo, skipped = checks(args.python, out, args.workers), []
+    if args.only:
+        keys = args.only.split(",")
+        unknown = sorted(set(keys) - {c.key for c in todo})
+        if unknown:
+            parser.error(
+                f"--only: no check named {', '.join(unknown)}; the checks are "
+                f"{', '.join(c.key for c in todo)}"
+            )
+        skipped = [c.name for c in todo if c.key not in keys]
+        todo = [c for c in todo if c.key in keys]
     machine = cuda_machine(args.python)
     wheels = carried_wheels(args.wheels.resolve())
-    out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "site", ignore_errors=True)
-    planned = [*setup(args.python, out, wheels), *checks(args.python, out, args.workers)]
+    planned = [*setup(args.python, out, wheels), *todo]
     done: list[Check] = []
     for check in planned:
         run(check, out)
         done.append(check)
         if check.name.startswith("install") and not check.ok:
             break  # nothing can run without its installs
-    (out / REPORT).write_text(report(machine, done, out, len(planned)))
+    (out / REPORT).write_text(report(machine, done, out, len(planned), skipped))
     passed = len(done) == len(planned) and all(c.ok for c in done)
     print(f"gpu-check: {'all checks passed' if passed else 'FAILED'}; report: {out / REPORT}")
     return 0 if passed else 1
