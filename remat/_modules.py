@@ -41,6 +41,7 @@ import functools
 import itertools
 import operator
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -89,6 +90,7 @@ def programs(owner: Any) -> dict[Any, Any]:
 # Per module (or owner), by id: a weak reference to it, and its records by training flag.
 # (Not a WeakKeyDictionary: it is read per module at every region call.)
 _LEARNED: dict[int, tuple[weakref.ref[Any], dict[bool | None, _Learned]]] = {}
+_MAKING = threading.Lock()
 
 
 def _learned(owner: Any) -> _Learned | None:
@@ -104,11 +106,15 @@ def _learning(owner: Any) -> _Learned:
     key = id(owner)
     entry = _LEARNED.get(key)
     if entry is None or entry[0]() is not owner:
-        entry = _LEARNED[key] = (weakref.ref(owner, lambda _: _LEARNED.pop(key, None)), {})
+        with _MAKING:  # one record per owner: threads' first calls add to the same one
+            entry = _LEARNED.get(key)
+            if entry is None or entry[0]() is not owner:
+                ref = weakref.ref(owner, lambda _: _LEARNED.pop(key, None))
+                entry = _LEARNED[key] = (ref, {})
     records, training = entry[1], getattr(owner, "training", None)
     record = records.get(training)
     if record is None:
-        record = records[training] = _Learned()
+        record = records.setdefault(training, _Learned())
     return record
 
 

@@ -93,8 +93,8 @@ _OPS: dict[int, Op] = {}
 
 def op_info(func: Any) -> Op:
     op = _OPS.get(id(func))
-    if op is None:
-        op = _OPS[id(func)] = Op(func)
+    if op is None:  # one `Op` per overload, whichever thread made it first: signatures
+        op = _OPS.setdefault(id(func), Op(func))  # compare them by identity
     return op
 
 
