@@ -19,7 +19,7 @@ from ._keep import DIVERGED, Keeper
 from ._modules import ModuleState, WriteGuard
 from ._provenance import _OPS, Op, op_info, written
 from ._replayer import Replayer
-from ._rng import RngCapture, RngReplay
+from ._rng import RngCapture, RngReplay, threaded
 
 __all__ = ["QUIET", "GuardedOpMode", "OpMode"]
 
@@ -68,6 +68,8 @@ class OpMode(_torch_private.TorchDispatchMode):
         guard: WriteGuard | None = None,
     ) -> None:
         super().__init__()
+        if not _torch_private.every_op_made() and threaded():
+            _torch_private.make_every_op()  # (torch can crash otherwise: see there)
         self.capture, self.replay, self.trace = capture, replay, trace
         self.rng = rng  # a watched forward's, not capturing per op: it notes random ops
         self.keeper, self.replayer = keeper, replayer
