@@ -81,6 +81,19 @@ class _Learned:
         # For an owner: the ops its forwards ran, per policy and input layouts (`_keep`).
         self.programs: dict[Any, Any] = {}
 
+    def learn(self, names: set[str], name: str) -> None:
+        """Add ``name`` to ``names`` (`updated` or `read`): a change the slot plans see."""
+        global _GENERATION
+        if name not in names:
+            with _MAKING:
+                names.add(name)
+                _GENERATION += 1
+
+
+# Counts the changes to what any module's record says (a record made, a name learned), under
+# `_MAKING`: a `_Plan` made at another count is out of date.
+_GENERATION = 0
+
 
 def programs(owner: Any) -> dict[Any, Any]:
     """The programs of ``owner``'s forwards in its current training mode (made if needed)."""
@@ -104,17 +117,20 @@ def _learned(owner: Any) -> _Learned | None:
 def _learning(owner: Any) -> _Learned:
     """The same record, made if needed, for a forward to add to."""
     key = id(owner)
+    global _GENERATION
     entry = _LEARNED.get(key)
-    if entry is None or entry[0]() is not owner:
+    training = getattr(owner, "training", None)
+    record = entry[1].get(training) if entry is not None and entry[0]() is owner else None
+    if record is None:
         with _MAKING:  # one record per owner: threads' first calls add to the same one
             entry = _LEARNED.get(key)
             if entry is None or entry[0]() is not owner:
                 ref = weakref.ref(owner, lambda _: _LEARNED.pop(key, None))
                 entry = _LEARNED[key] = (ref, {})
-    records, training = entry[1], getattr(owner, "training", None)
-    record = records.get(training)
-    if record is None:
-        record = records.setdefault(training, _Learned())
+            record = entry[1].get(training)
+            if record is None:
+                record = entry[1][training] = _Learned()
+                _GENERATION += 1
     return record
 
 
@@ -408,6 +424,90 @@ def _submodules(
     return found, held
 
 
+class _Plan(NamedTuple):
+    """The slots `ModuleState.capture` found in some submodules' parameters and buffers,
+    for its later calls while nothing it depends on changed: no record was made or learned
+    more since (`_GENERATION`), every module is in the same training mode, and the tables
+    are the same, with the same names, each holding a plain tensor or parameter. Made only
+    where no tensor is lazy or sharded by FSDP2, and no module is a batch norm (whose
+    statistics' slots depend on more, `_write_only`).
+    """
+
+    found: list[nn.Module]  # `_Tree.found`, which the plan is for
+    generation: int
+    training: list[tuple[nn.Module, bool]]  # `ModuleState.modes`
+    fsdp: type | None
+    ids: list[int]  # ids of each module's parameter and buffer tables, in order
+    keys: list[str]  # their names, in order
+    modules: list[nn.Module]  # per slot: its module,
+    tables: list[dict[str, Any]]  # table
+    names: list[str]  # and name
+    snapshots: list[int]  # the slots copied at entry (updated, as learned)
+    unlearned: list[nn.Module]  # modules with tensors and no record yet
+
+
+_PLANS: dict[int, _Plan] = {}  # id of a `_Tree.found` -> its plan
+_TABLES = operator.attrgetter("_parameters", "_buffers")
+_PLAIN = frozenset((torch.Tensor, nn.Parameter))
+
+
+def _planned(
+    plan: _Plan | None,
+    found: list[nn.Module],
+    training: list[tuple[nn.Module, bool]],
+    tables: list[dict[str, Any]],
+    fsdp: type | None,
+) -> list[torch.Tensor] | None:
+    """The tensors of ``plan``'s slots, in order, if it still holds (checked in native loops)."""
+    if (
+        plan is None
+        or plan.found is not found
+        or plan.generation != _GENERATION
+        or plan.fsdp is not fsdp
+        or plan.training != training
+        or list(map(id, tables)) != plan.ids
+        or list(itertools.chain.from_iterable(tables)) != plan.keys
+    ):
+        return None
+    tensors = list(itertools.chain.from_iterable(map(dict.values, tables)))
+    return tensors if _PLAIN.issuperset(map(type, tensors)) else None
+
+
+def _plan(
+    found: list[nn.Module],
+    state: ModuleState,
+    tables: list[dict[str, Any]],
+    fsdp: type | None,
+    generation: int,
+    start: int,
+    unlearned: list[nn.Module],
+) -> None:
+    """Keep, for ``found``, the slots that `ModuleState.capture` found from ``start`` on."""
+    slots = state.slots[start:]
+    keys = list(itertools.chain.from_iterable(tables))
+    if len(slots) != len(keys) or not _PLAIN.issuperset(map(type, map(_TENSOR, slots))):
+        return  # (a None in a table)
+    if len(_PLANS) > 1024:
+        _PLANS.clear()
+    _PLANS[id(found)] = _Plan(
+        found,
+        generation,
+        state.modes,
+        fsdp,
+        list(map(id, tables)),
+        keys,
+        [slot.module for slot in slots],
+        list(map(_TABLE, slots)),
+        list(map(_NAME, slots)),
+        [i - start for i in state.snapshots if i >= start],
+        unlearned,
+    )
+
+
+def _batch_norm(module: nn.Module) -> bool:
+    return isinstance(module, _BATCH_NORMS)
+
+
 def _walk(
     modules: list[nn.Module],
 ) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
@@ -494,7 +594,8 @@ class _Scratch(torch.Tensor):
             return func(*args, **kwargs)
         slots = [scratch.slot for scratch in _scratches((args, kwargs))]
         for slot in slots:  # each read here is learned at once
-            _learning(slot.module).read.add(slot.name)
+            record = _learning(slot.module)
+            record.learn(record.read, slot.name)
         slot = slots[0]
         raise RecomputeError(
             f"`remat`: the recompute read `{slot.name}` of {type(slot.module).__name__} "
@@ -657,30 +758,48 @@ class ModuleState:
             state.generators = [
                 v for sub in submodules for v in vars(sub).values() if type(v) is torch.Generator
             ]
-        for sub in submodules:
-            record = _learned(sub)
-            if record is None and (sub._parameters or sub._buffers):
-                unlearned.append(sub)
-            updated = record.updated if record is not None else ()
-            for table in (sub._parameters, sub._buffers):
-                for name, t in table.items():
-                    if t is None:
-                        continue
-                    if type(t) in _UNINITIALIZED:  # a lazy module's, until its first forward
-                        state.uninitialized.append(f"{type(sub).__name__}.{name}")
-                        continue  # (the recompute reads what that forward made)
-                    if table is sub._parameters and id(sub) in owned:
-                        if dtensor is not None and isinstance(t, dtensor):
-                            state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
-                        continue
-                    write_only = table is sub._buffers and _write_only(sub, name, t, record)
-                    if write_only and name in updated:
-                        state.scratch.add(len(slots))
-                    elif name in updated:
-                        state.snapshots[len(slots)] = state._snapshot(len(slots), t)
-                    if write_only:
-                        candidates.append(len(slots))
-                    slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
+        tables = list(itertools.chain.from_iterable(map(_TABLES, submodules)))
+        plan = _PLANS.get(id(submodules))
+        tensors = _planned(plan, submodules, state.modes, tables, fsdp)
+        if tensors is not None:
+            assert plan is not None
+            unlearned += plan.unlearned
+            start = len(slots)
+            fields = zip(
+                plan.modules, plan.tables, plan.names, tensors, map(_VERSION, tensors),
+                _memories(tensors), strict=True,
+            )  # fmt: skip
+            slots += map(tuple.__new__, itertools.repeat(_Slot), fields)  # (native: per slot)
+            for i in plan.snapshots:
+                state.snapshots[start + i] = state._snapshot(start + i, tensors[i])
+        else:
+            generation, start, first = _GENERATION, len(slots), len(unlearned)
+            for sub in submodules:
+                record = _learned(sub)
+                if record is None and (sub._parameters or sub._buffers):
+                    unlearned.append(sub)
+                updated = record.updated if record is not None else ()
+                for table in (sub._parameters, sub._buffers):
+                    for name, t in table.items():
+                        if t is None:
+                            continue
+                        if type(t) in _UNINITIALIZED:  # a lazy module's, until its first forward
+                            state.uninitialized.append(f"{type(sub).__name__}.{name}")
+                            continue  # (the recompute reads what that forward made)
+                        if table is sub._parameters and id(sub) in owned:
+                            if dtensor is not None and isinstance(t, dtensor):
+                                state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
+                            continue
+                        write_only = table is sub._buffers and _write_only(sub, name, t, record)
+                        if write_only and name in updated:
+                            state.scratch.add(len(slots))
+                        elif name in updated:
+                            state.snapshots[len(slots)] = state._snapshot(len(slots), t)
+                        if write_only:
+                            candidates.append(len(slots))
+                        slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
+            if not (owned or state.uninitialized or any(map(_batch_norm, submodules))):
+                _plan(submodules, state, tables, fsdp, generation, start, unlearned[first:])
         if torch.Tensor in attribute_types:
             state._attributes(submodules, unlearned)
         if reached.tensors:
@@ -785,7 +904,8 @@ class ModuleState:
                     i = stats.get(_memory(t))
                     if i is not None:
                         slot = self.slots[i]
-                        _learning(slot.module).read.add(slot.name)
+                        record = _learning(slot.module)
+                        record.learn(record.read, slot.name)
 
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
@@ -819,7 +939,8 @@ class ModuleState:
             if not updated:
                 self.snapshots.pop(i, None)
                 continue
-            _learning(slot.module).updated.add(slot.name)
+            record = _learning(slot.module)
+            record.learn(record.updated, slot.name)
             if i not in self.snapshots:
                 self.lost.append(slot)
         for learner in self.learners:

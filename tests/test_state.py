@@ -446,6 +446,142 @@ def test_buffer_first_updated_by_a_later_call_raises(policy):
 
 
 @each_policy
+def test_buffer_first_updated_by_a_later_call_is_copied_by_the_calls_after(policy):
+    """Once a call showed that the forward updates the buffer (its backward would raise, as
+    above; here it does not run), later calls copy it at entry and train as plain: the slots
+    the region found at its earlier calls (kept while its modules' tables stay the same) are
+    found again once a module's record learns more."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        model = _LateDecay()
+        region = wrap(model)
+        w = torch.randn(6, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+        w.requires_grad_()
+        history = []
+        for step in range(6):
+            model.decay = step >= 3
+            out = region(_batch(step), w)
+            if step != 3:
+                out.sin().sum().backward()
+                history.append((out, w.grad.clone(), model.scale.clone()))
+        return history
+
+    assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
+
+
+class _Counting(nn.Module):
+    """Counts its calls in a buffer, in place, and scales by it; and by ``extra`` too, which it
+    updates in place as well, once one is registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).to(DTYPE)
+        self.register_buffer("count", torch.ones(6, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) @ w
+        for name in ("count", "extra"):
+            buffer = getattr(self, name, None)
+            if buffer is not None:
+                with torch.no_grad():
+                    buffer.add_(1)
+                out = out * buffer
+        return out.tanh()
+
+
+def _change_table(model: _Counting, how: str) -> None:
+    if how == "parameter replaced":
+        model.lin.weight = nn.Parameter(model.lin.weight.detach() * 2)
+    elif how == "buffer replaced":
+        model.count = torch.full((6,), 3.0, dtype=DTYPE)
+    elif how == "buffer set to None":
+        model.count = None
+    elif how == "buffer table replaced":  # (a new dict, holding the same names)
+        model._buffers = {"count": torch.full((6,), 3.0, dtype=DTYPE)}
+    else:  # a buffer added: updated in place by a forward not watched any more
+        model.register_buffer("extra", torch.ones(6, dtype=DTYPE))
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "parameter replaced",
+        "buffer replaced",
+        "buffer set to None",
+        "buffer table replaced",
+        "buffer added",
+    ],
+)
+@each_policy
+def test_module_tables_changed_between_steps(policy, how):
+    """A parameter or buffer replaced, set to None, or added, or a new table of buffers,
+    between steps: the region finds
+    the tables' tensors as they are now (it keeps the slots it found while the tables hold the
+    same names), and trains as plain; a buffer added and updated in place by a forward that
+    is not watched any more is the one case that may raise, as a buffer first updated by a
+    later call does (above)."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        model = _Counting()
+        region = wrap(model)
+        w = torch.randn(6, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+        w.requires_grad_()
+        history = []
+        for step in range(4):
+            if step == 2:
+                _change_table(model, how)
+            out = region(_batch(step), w)
+            out.sin().sum().backward()
+            history.append((out, w.grad.clone(), model.lin.weight.grad.clone()))
+            history.append({k: v.clone() for k, v in model.state_dict().items()})
+        return history
+
+    if how == "buffer added":
+        _plain_or_raises(run, policy, "`extra` of _Counting in place")
+    else:
+        assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
+
+
+class _CountsInEval(nn.Module):
+    """Counts its calls in evaluation mode only, in a buffer, in place, and scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).to(DTYPE)
+        self.register_buffer("count", torch.ones(6, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            with torch.no_grad():
+                self.count.add_(1)
+        return (self.lin(x) * self.count).tanh()
+
+
+@each_policy
+def test_buffer_updated_in_one_training_mode_only(policy):
+    """A buffer the forward updates in place in evaluation mode only, with the model switched
+    between modes across steps: each mode's first forward is watched (the slots found in the
+    other mode do not stand for it), and every step trains as plain."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        model = _CountsInEval()
+        region = wrap(model)
+        history = []
+        for step, training in enumerate([True, True, False, False, True, False]):
+            model.train(training)
+            x = _batch(step).requires_grad_()
+            out = region(x)
+            out.sin().sum().backward()
+            history += [out, x.grad, model.lin.weight.grad.clone(), model.count.clone()]
+        return history
+
+    assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda f: f))
+
+
+@each_policy
 def test_parameter_stepped_between_forward_and_backward_raises(policy):
     """An optimizer step between a call's forward and its backward: the recompute would
     read the stepped weights, so it raises, naming the parameter (on the region's second
