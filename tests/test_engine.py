@@ -111,6 +111,43 @@ def test_retain_graph_recomputes_once_per_pass():
     assert torch.equal(second[0], expected)
 
 
+class _ReadsTwice(torch.autograd.Function):
+    """Reads ``ctx.saved_tensors`` twice in its backward, holding the first (``hold``) or not."""
+
+    @staticmethod
+    def forward(ctx, x, hold):  # type: ignore[no-untyped-def, override]
+        y = x.exp()
+        ctx.save_for_backward(y)
+        ctx.hold = hold
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        first = ctx.saved_tensors[0] if ctx.hold else ctx.saved_tensors[0].sum()
+        second = ctx.saved_tensors[0]  # (``first`` is alive; the value itself only if held)
+        assert first.ndim == (1 if ctx.hold else 0)
+        return grad * second, None
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["first-held", "first-dropped"])
+def test_value_unpacked_twice_in_one_pass(hold):
+    """A backward that reads a saved value (a custom function's output) twice gets the first
+    read's memory back while that is alive (one re-run of ``fn`` in all), and else a re-run
+    for that value alone; the gradient is plain's either way. (Autograd hands the function a
+    new tensor on that memory, not what the unpack hook returned.)"""
+    calls = []
+
+    def fn(x):
+        calls.append(None)
+        return _ReadsTwice.apply(x.sin(), hold)
+
+    x = _vector()
+    remat(fn)(x).sum().backward()
+    assert len(calls) == (3 if not hold else 2)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    assert torch.equal(x.grad, expected)
+
+
 SAVES = {
     "saves-inputs": lambda x: x.sin().cos().sin(),
     "saves-outputs": lambda x: x.sin().exp().tanh(),
