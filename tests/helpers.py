@@ -22,7 +22,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import settings
+from hypothesis import reject, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1055,6 +1055,38 @@ def run_create_graph(inst: Instance) -> Any:
         return out, grads, None
     total = sum(g.sum() for g in live)
     return out, grads, torch.autograd.grad(total, inst.targets, allow_unused=True)
+
+
+# torch 2.11's CUDA autograd (seen on an H200) raises this, by chance, in the second-order
+# backward through the CopySlices that relu_ on a view leaves. Plain torch, no remat anywhere,
+# failed in 2 to 6 of 6 runs of one program in a process (the docstring below). remat's
+# recompute runs the same ops and meets it too. Such a run has no reference to compare with.
+TORCH_CUDA_FREED = "Trying to backward through the graph a second time"
+
+
+def relu_on_a_view(program: Program) -> bool:
+    """Whether ``program`` runs ``relu_`` in place on a view (an inplace op not on the whole)."""
+    return any(
+        op.kind == "inplace" and op.param[0] != "whole" and "relu_" in op.param[1]
+        for op in program_ops(program)
+    )
+
+
+@contextlib.contextmanager
+def unless_torch_cuda_fails(program: Program, device: str) -> Any:
+    """Reject the example where torch itself fails (`TORCH_CUDA_FREED`); raise anything else.
+
+    The plain program: ``x`` (2 x 2, float64, made on the CPU and moved), ``a = x.sin()``,
+    ``f = a.clone()``, ``f[:, 1:].mul_(1.5).relu_()``, ``g = grad(f.sin().sum(), x,
+    create_graph=True)``, then ``grad(g.sum(), x)``: on CUDA under torch 2.11 it raises in
+    some runs (with ``x`` made on CUDA, in none of 30).
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if device == "cuda" and TORCH_CUDA_FREED in str(error) and relu_on_a_view(program):
+            reject()
+        raise
 
 
 EAGER_MODES: dict[str, Callable[[Instance], Any]] = {
