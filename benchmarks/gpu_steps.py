@@ -132,12 +132,15 @@ def llama_rows(size: Sizes, device: torch.device) -> list[suite.Row]:
 
 
 def ratios(rows: Sequence[suite.Row], pairs: Sequence[tuple[str, str]]) -> list[str]:
-    """``mode / peer: 1.234x``, for each pair whose both rows were timed."""
-    median = {row.mode: statistics.median(row.times) for row in rows if row.times}
+    """``mode / peer: 1.234x (paired 1.230x)``, for each pair whose both rows were timed: the
+    ratio of the medians, then the median of the ratios within each round."""
+    timed = {row.mode: row for row in rows if row.times}
+    median = {mode: statistics.median(row.times) for mode, row in timed.items()}
     return [
         f"{mode} / {peer}: {median[mode] / median[peer]:.3f}x"
+        f" (paired {suite._time_ratio(timed[mode], timed[peer])})"
         for mode, peer in pairs
-        if mode in median and peer in median
+        if mode in timed and peer in timed
     ]
 
 

@@ -1,6 +1,7 @@
 """The benchmark suite runs end to end at tiny sizes, so it cannot rot."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -108,3 +109,4 @@ def test_gpu_steps_smoke_run_times_every_mode_with_plain_s_loss():
         llama, gpu_steps.LLAMA_RATIOS
     )
     assert len(lines) == len(gpu_steps.GPT_RATIOS) + len(gpu_steps.LLAMA_RATIOS)
+    assert all(re.search(r"\d\.\d{3}x \(paired \d\.\d{3}x\)$", line) for line in lines)
