@@ -24,7 +24,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import remat
 
 from . import suite
-from ._models import GPTConfig
+from ._models import GPT, GPTConfig, make_batches
 
 HF = "Hugging Face checkpointing"
 HF_SAC = "Hugging Face checkpointing + SAC (mm, addmm, bmm, baddbmm)"
@@ -74,6 +74,63 @@ def gpt_rows(size: Sizes, device: torch.device) -> list[suite.Row]:
     return suite.gpt_workload(
         "reference GPT", size.gpt, 4, size.rounds, size.warmup, device, all_modes=all_modes
     )
+
+
+# The modes whose kernels and GPU time `gpu_busy` counts, on the reference GPT.
+BUSY_MODES = (
+    "plain",
+    "torch.utils.checkpoint",
+    suite.SAC,
+    "remat save_nothing",
+    "remat save_matmuls",
+)
+
+
+def gpu_busy(size: Sizes, device: torch.device, rows: Sequence[suite.Row], steps: int = 3) -> str:
+    """Per mode of `BUSY_MODES` on the reference GPT: the CUDA kernels a step runs and the time
+    the GPU is busy with them (torch.profiler, over ``steps`` steps after as many unprofiled),
+    beside the step's median time from ``rows``. Where the GPU is busy for a small part of
+    the step, the step is the CPU issuing kernels: Python's overhead is the step's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = GPT(size.gpt).to(device)
+    tokens, targets = (t.to(device) for t in make_batches(size.gpt, 4, 1)[0])
+    every = suite.modes()[0]
+    median = {row.mode: row.time for row in rows}
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    lines = [
+        f"Reference GPT, kernels and GPU time per step (torch.profiler, {steps} steps):\n",
+        "| mode | kernels per step | GPU busy per step | step |",
+        "|---|---|---|---|",
+    ]
+    for mode in BUSY_MODES:
+        model.checkpoint = every[mode]
+
+        def step() -> None:
+            torch.manual_seed(1)
+            model.zero_grad(set_to_none=True)
+            model.loss(tokens, targets).backward()
+            _sync(device)
+
+        for _ in range(steps):
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+        kernels = [
+            e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        count = sum(e.count for e in kernels) / steps
+        busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3  # us to ms
+        wall = median.get(mode)
+        lines.append(
+            f"| {mode} | {count:.0f} | {busy:.2f} ms | "
+            + (f"{wall * 1e3:.1f} ms |" if wall is not None else "- |")
+        )
+    return "\n".join(lines)
 
 
 def _hf_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> Any:
@@ -155,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     gpt, llama = gpt_rows(size, device), llama_rows(size, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"torch {torch.__version__}, {name}; {size.rounds} interleaved rounds, medians."]
-    lines += [suite.format_rows(gpt), *ratios(gpt, GPT_RATIOS)]
+    lines += [suite.format_rows(gpt), *ratios(gpt, GPT_RATIOS), gpu_busy(size, device, gpt)]
     lines += [suite.format_rows(llama), *ratios(llama, LLAMA_RATIOS)]
     lines.append(f"({time.perf_counter() - start:.0f} s)")
     report = "\n\n".join(lines)

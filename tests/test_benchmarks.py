@@ -110,3 +110,8 @@ def test_gpu_steps_smoke_run_times_every_mode_with_plain_s_loss():
     )
     assert len(lines) == len(gpu_steps.GPT_RATIOS) + len(gpu_steps.LLAMA_RATIOS)
     assert all(re.search(r"\d\.\d{3}x \(paired \d\.\d{3}x\)$", line) for line in lines)
+    # On the CPU no kernel runs: the table's rows are there, with the steps' times.
+    modes = gpu_steps.BUSY_MODES
+    table = gpu_steps.gpu_busy(size, device, gpt, steps=1).splitlines()[-len(modes) :]
+    assert [line.split(" | ")[0] for line in table] == [f"| {mode}" for mode in modes]
+    assert all(" | 0 | 0.00 ms | " in line and line.endswith(" ms |") for line in table)
