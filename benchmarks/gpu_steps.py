@@ -117,7 +117,7 @@ def gpu_busy(size: Sizes, device: torch.device, rows: Sequence[suite.Row], steps
 
         for _ in range(steps):
             step()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, acc_events=True) as prof:
             for _ in range(steps):
                 step()
         kernels = [
