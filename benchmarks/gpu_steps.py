@@ -31,6 +31,7 @@ HF_SAC = "Hugging Face checkpointing + SAC (mm, addmm, bmm, baddbmm)"
 # (mode, peer): the ratios the report gives, each mode's step over its peer's.
 GPT_RATIOS = (
     ("remat save_nothing", "torch.utils.checkpoint"),
+    (suite.UNCHECKED, "torch.utils.checkpoint"),
     ("remat save_matmuls", suite.SAC),
     ("remat memory_budget(0.5)", suite.SAC),
 )
@@ -68,12 +69,20 @@ def _sync(device: torch.device) -> None:
 
 
 def gpt_rows(size: Sizes, device: torch.device) -> list[suite.Row]:
-    """The bench's reference GPT in every mode of the bench, and `memory_budget(0.5)`."""
-    budget = remat.remat(policy=remat.policies.memory_budget(0.5))
-    all_modes = {**suite.modes()[0], "remat memory_budget(0.5)": budget}
-    return suite.gpt_workload(
-        "reference GPT", size.gpt, 4, size.rounds, size.warmup, device, all_modes=all_modes
-    )
+    """The bench's reference GPT in every mode of the bench, `memory_budget(0.5)`, and
+    `save_nothing` without its generator check (what the check costs, as on the overhead
+    workload)."""
+    overhead = suite.overhead_modes()
+    all_modes = {
+        **suite.modes()[0],
+        "remat save_nothing": overhead["remat save_nothing"],
+        "remat memory_budget(0.5)": overhead["remat memory_budget(0.5)"],
+        suite.UNCHECKED: overhead[suite.UNCHECKED],
+    }
+    with suite.generator_check_restored():
+        return suite.gpt_workload(
+            "reference GPT", size.gpt, 4, size.rounds, size.warmup, device, all_modes=all_modes
+        )
 
 
 # The modes whose kernels and GPU time `gpu_busy` counts, on the reference GPT.
@@ -189,16 +198,30 @@ def llama_rows(size: Sizes, device: torch.device) -> list[suite.Row]:
 
 
 def ratios(rows: Sequence[suite.Row], pairs: Sequence[tuple[str, str]]) -> list[str]:
-    """``mode / peer: 1.234x (paired 1.230x)``, for each pair whose both rows were timed: the
-    ratio of the medians, then the median of the ratios within each round."""
+    """``mode / peer: 1.234x (paired 1.230x, 1.100x to 1.350x)``, for each pair whose both rows
+    were timed: the ratio of the medians, then the ratios within each round: their median,
+    and their 10th and 90th percentiles (a GPU machine's host is noisy: the spread shows it)."""
     timed = {row.mode: row for row in rows if row.times}
     median = {mode: statistics.median(row.times) for mode, row in timed.items()}
-    return [
-        f"{mode} / {peer}: {median[mode] / median[peer]:.3f}x"
-        f" (paired {suite._time_ratio(timed[mode], timed[peer])})"
-        for mode, peer in pairs
-        if mode in timed and peer in timed
-    ]
+    lines = []
+    for mode, peer in pairs:
+        if mode not in timed or peer not in timed:
+            continue
+        paired = [a / b for a, b in zip(timed[mode].times, timed[peer].times, strict=True)]
+        low, high = _percentiles(paired)
+        lines.append(
+            f"{mode} / {peer}: {median[mode] / median[peer]:.3f}x (paired "
+            f"{statistics.median(paired):.3f}x, {low:.3f}x to {high:.3f}x)"
+        )
+    return lines
+
+
+def _percentiles(values: Sequence[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles, within the values (the value itself, for one)."""
+    if len(values) < 2:
+        return min(values), max(values)
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
 
 
 def main(argv: Sequence[str] | None = None) -> str:

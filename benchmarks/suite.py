@@ -9,6 +9,7 @@ Writes a table (stdout and ``results.md``), ``results.json`` and two plots to ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -23,7 +24,7 @@ import threading
 import time
 import timeit
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -335,8 +336,20 @@ def _generator_check(on: bool, wrap: Checkpoint) -> Checkpoint:
     return checkpoint
 
 
+@contextlib.contextmanager
+def generator_check_restored() -> Iterator[None]:
+    """Around a run of `UNCHECKED` (`_generator_check`): the check is back on when it ends, so
+    that whatever runs next in the process runs remat as it ships."""
+    try:
+        yield
+    finally:
+        remat._engine.GeneratorWatch = remat._rng.GeneratorWatch  # type: ignore[attr-defined]
+
+
 def overhead_modes() -> dict[str, Checkpoint]:
-    """The overhead workload's modes: the remat policies, their peers and the reference points."""
+    """The overhead workload's modes: the remat policies, their peers and the reference points.
+    `UNCHECKED` turns the generator check off until a remat mode turns it on: run them inside
+    `generator_check_restored`."""
     found = modes()[0]
     chosen = {mode: found[mode] for mode in ("plain", "torch.utils.checkpoint", SAC)}
     chosen["remat save_nothing"] = _generator_check(True, found["remat save_nothing"])
@@ -351,15 +364,16 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
     """A transformer so small that compute is negligible (pre-LayerNorm, dropout; width 16,
     8 blocks, batch 2 x 16 by default): a step's time over plain's is each mode's Python
     overhead, as in an eager GPU step whose CPU issue time is the step time."""
-    return gpt_workload(
-        f"overhead: width {config.width}, {config.blocks} blocks, 2 x {config.seq}",
-        config,
-        2,
-        rounds,
-        5,
-        device,
-        all_modes=overhead_modes(),
-    )
+    with generator_check_restored():
+        return gpt_workload(
+            f"overhead: width {config.width}, {config.blocks} blocks, 2 x {config.seq}",
+            config,
+            2,
+            rounds,
+            5,
+            device,
+            all_modes=overhead_modes(),
+        )
 
 
 def bytecodes(config: GPTConfig, device: torch.device, steps: int = 2) -> dict[str, float]:
@@ -370,34 +384,42 @@ def bytecodes(config: GPTConfig, device: torch.device, steps: int = 2) -> dict[s
     base = GPT(config).to(device)
     tokens, targets = (t.to(device) for t in make_batches(config, 2, 1)[0])
     counts = {}
-    for mode, wrap in overhead_modes().items():
-        model = copy.deepcopy(base)
-        model.checkpoint = wrap
-
-        def step(model: GPT = model) -> None:
-            torch.manual_seed(1)
-            model.zero_grad(set_to_none=True)
-            model.loss(tokens, targets).backward()
-
-        for _ in range(3):
-            step()
-        count = 0
-
-        def trace(frame: Any, event: str, arg: Any) -> Any:
-            nonlocal count
-            frame.f_trace_opcodes, frame.f_trace_lines = True, False
-            count += event == "opcode"
-            return trace
-
-        previous = sys.gettrace()
-        sys.settrace(trace)
-        try:
-            for _ in range(steps):
-                step()
-        finally:
-            sys.settrace(previous)
-        counts[mode] = count / steps
+    with generator_check_restored():
+        for mode, wrap in overhead_modes().items():
+            counts[mode] = _bytecodes_per_step(base, wrap, tokens, targets, steps)
     return counts
+
+
+def _bytecodes_per_step(
+    base: GPT, wrap: Checkpoint, tokens: Tensor, targets: Tensor, steps: int
+) -> float:
+    """`bytecodes` for one mode."""
+    model = copy.deepcopy(base)
+    model.checkpoint = wrap
+
+    def step() -> None:
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        model.loss(tokens, targets).backward()
+
+    for _ in range(3):
+        step()
+    count = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        count += event == "opcode"
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        sys.settrace(previous)
+    return count / steps
 
 
 def bytecode_summary(counts: dict[str, float]) -> str:

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import remat
 from tests.helpers import import_benchmark
 
 suite = import_benchmark("suite")
@@ -75,6 +76,18 @@ def test_bytecode_counts_repeat_and_grow_with_the_work_done():
     assert first["plain"] < first["torch.utils.checkpoint"] < first[suite.SAC]
 
 
+def test_the_unchecked_mode_leaves_the_generator_check_on_for_what_runs_after():
+    """`UNCHECKED` (save_nothing without its generator check) runs fewer bytecodes than
+    save_nothing, the check's; and once the workloads that time it end, remat runs with its
+    check again (the bench's tiny-region timing ran without it, after the bytecode count)."""
+    config = suite.dataclasses.replace(suite.OVERHEAD, blocks=1)
+    counts = suite.bytecodes(config, torch.device("cpu"), steps=1)
+    assert counts[suite.UNCHECKED] < counts["remat save_nothing"]
+    assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch
+    suite.overhead_workload(config, 1, torch.device("cpu"))
+    assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch
+
+
 def test_the_thin_replay_reference_keeps_the_matmuls_and_checks_each_op():
     """The overhead workload's thin verified replay computes plain's gradient, and raises at
     the first op its recompute runs differently (it is a check, not only a cost)."""
@@ -109,7 +122,13 @@ def test_gpu_steps_smoke_run_times_every_mode_with_plain_s_loss():
         llama, gpu_steps.LLAMA_RATIOS
     )
     assert len(lines) == len(gpu_steps.GPT_RATIOS) + len(gpu_steps.LLAMA_RATIOS)
-    assert all(re.search(r"\d\.\d{3}x \(paired \d\.\d{3}x\)$", line) for line in lines)
+    number = r"(\d\.\d{3})x"
+    for line in lines:
+        found = re.search(rf"{number} \(paired {number}, {number} to {number}\)$", line)
+        assert found, line
+        _, paired, low, high = map(float, found.groups())
+        assert low <= paired <= high, line
+    assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch  # after `UNCHECKED`
     # On the CPU no kernel runs: the table's rows are there, with the steps' times.
     modes = gpu_steps.BUSY_MODES
     table = gpu_steps.gpu_busy(size, device, gpt, steps=1).splitlines()[-len(modes) :]
