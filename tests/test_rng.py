@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import threading
 
 import pytest
 import torch
 from torch.func import grad, vmap
+from torch.utils.checkpoint import checkpoint
 from tqdm import _monitor as tqdm_monitor
 
 from remat import RecomputeError, policies, remat
+from remat import _engine as remat_engine
 from tests.helpers import POLICIES as EVERY_POLICY
 from tests.helpers import (
     another_thread_alive,
@@ -381,6 +384,35 @@ def test_generator_remat_cannot_see_raises_instead_of_drawing_other_numbers():
     """Without a dispatch mode, a generator out of remat's sight makes the recompute raise."""
     with pytest.raises(RecomputeError, match="generator"):
         _hidden_run("save_nothing")
+
+
+def test_without_the_generator_check_the_gradient_is_wrong_with_no_error(monkeypatch):
+    """What the steady state's check of explicit generators is for (docs/rng.md#cost): a
+    region's first call runs under remat's dispatch mode, which sees the draw; later calls
+    have only the check, which raises. Without it, the recompute draws other numbers from a
+    generator remat cannot see: the gradient and the generator's state differ from plain's
+    with no error, as with torch's checkpoint."""
+    holder = _Holder()
+
+    def hidden(x):
+        return (x * torch.rand(x.shape, dtype=x.dtype, generator=holder.gen)).sin()
+
+    def run(f):
+        holder.gen.manual_seed(5)
+        x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        f(x).sum().backward()
+        return x.grad, holder.gen.get_state()
+
+    region = remat(hidden)
+    with pytest.raises(RecomputeError, match="that the forward did not draw from"):
+        run(region)  # the first call: remat's dispatch mode
+    with pytest.raises(RecomputeError, match="that the forward's capture did not see"):
+        run(region)  # the steady state: the check
+    expected = run(hidden)
+    monkeypatch.setattr(remat_engine, "GeneratorWatch", lambda states: contextlib.nullcontext())
+    for got in (run(region), run(functools.partial(checkpoint, hidden, use_reentrant=False))):
+        assert not torch.equal(got[0], expected[0])
+        assert not torch.equal(got[1], expected[1])
 
 
 def test_generator_in_a_container_of_a_closure_replays():
