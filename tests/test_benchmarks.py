@@ -122,7 +122,7 @@ def test_gpu_steps_smoke_run_times_every_mode_with_plain_s_loss():
         llama, gpu_steps.LLAMA_RATIOS
     )
     assert len(lines) == len(gpu_steps.GPT_RATIOS) + len(gpu_steps.LLAMA_RATIOS)
-    number = r"(\d\.\d{3})x"
+    number = r"(\d+\.\d{3})x"  # one noisy round of a tiny model may pass 10x
     for line in lines:
         found = re.search(rf"{number} \(paired {number}, {number} to {number}\)$", line)
         assert found, line
