@@ -306,14 +306,15 @@ _NO_HOOKS = (None, None)
 class _Setting:
     """What a region's recompute re-establishes from its forward, built at the forward.
 
-    The forward's torch.func levels, module state, autocast state, the user's torch
-    function modes (autograd runs the recompute with none), whether subclasses'
-    ``__torch_function__`` ran, RNG capture and per-op bookkeeping; `recreate` enters all
-    of them for one recompute.
+    The forward's torch.func levels, module state, autocast state, parametrization cache
+    (``torch.nn.utils.parametrize.cached()``), the user's torch function modes (autograd
+    runs the recompute with none), whether subclasses' ``__torch_function__`` ran, RNG
+    capture and per-op bookkeeping; `recreate` enters all of them for one recompute.
     """
 
     __slots__ = (
         "autocast",
+        "cache",
         "function_modes",
         "functions",
         "generators",
@@ -339,6 +340,7 @@ class _Setting:
         self.levels = _functorch.Levels.capture(inputs)
         self.modules = modules
         self.autocast = _autocast_state()
+        self.cache = _torch_private.parametrization_cache()
         # The user's torch function modes (``torch.device(...)`` is one), not remat's own.
         self.function_modes = [
             mode
@@ -419,6 +421,8 @@ class _Setting:
         running = _Running(None, pack, pack.unpack, under_transforms=False)
         stack.enter_context(_torch_private.region_running(running))
         _autocast(stack, self.autocast)
+        if self.cache[0] or _torch_private.parametrization_cache()[0]:
+            stack.enter_context(_torch_private.parametrization_cache_set(self.cache))
         for function_mode in self.function_modes:
             stack.enter_context(function_mode)
         if _torch_private.subclass_functions_enabled() != self.functions:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import pyfunctorch
+from torch.nn.utils import parametrize as _parametrize
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_wrapper_subclass
@@ -48,6 +49,8 @@ __all__ = [
     "new_vmap_level",
     "new_jvp_level",
     "tangents",
+    "parametrization_cache",
+    "parametrization_cache_set",
     "dead_twin",
     "detach_outermost",
     "in_grad_transform_backward",
@@ -642,6 +645,30 @@ def subclass_functions(enabled: bool) -> contextlib.AbstractContextManager[Any]:
     if subclass_functions_enabled() == enabled:
         return contextlib.nullcontext()
     return torch._C._EnableTorchFunction() if enabled else torch._C.DisableTorchFunctionSubclass()
+
+
+def parametrization_cache() -> tuple[int, dict[Any, Any]]:
+    """``torch.nn.utils.parametrize.cached()``'s state here: how many ``cached()`` blocks
+    are open, and (in one) what the cache holds, a copy.
+
+    A forward inside such a block computes a parametrized tensor once and reads it from
+    the cache after; the recompute must start from the same cache. torch has no public
+    way to read or set it.
+    """
+    depth = _parametrize._cache_enabled
+    return depth, dict(_parametrize._cache) if depth else {}
+
+
+@contextlib.contextmanager
+def parametrization_cache_set(state: tuple[int, dict[Any, Any]]) -> Iterator[None]:
+    """Within the block, `parametrization_cache` reads ``state`` (a fresh copy of its
+    cache); after it, the caller's again."""
+    caller = _parametrize._cache_enabled, _parametrize._cache
+    _parametrize._cache_enabled, _parametrize._cache = state[0], dict(state[1])
+    try:
+        yield
+    finally:
+        _parametrize._cache_enabled, _parametrize._cache = caller
 
 
 def _checkpoint_options() -> dict[str, Any]:

@@ -29,7 +29,7 @@ from torch.func import hessian, jacfwd, jvp, vjp
 import remat
 from remat import policies
 from remat import remat as rematerialize
-from tests.helpers import assert_tree_equal, run_alone
+from tests.helpers import POLICIES, assert_tree_equal, run_alone
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -586,22 +586,64 @@ def _weight_normed() -> torch.nn.Module:
     return torch.nn.Sequential(linear, torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
 
 
-def test_backward_inside_parametrize_cached_raises():
-    """Inside ``parametrize.cached()`` the recompute skips the parametrization: it raises;
-    with the backward after the block, plain's gradients."""
+def _cached_run(wrap: Callable[[Any], Any], case: str) -> list[Any]:
+    """Gradients and buffers after a model with a weight-normed layer runs under
+    ``parametrize.cached()``: one region reading the parametrized weight twice, or two
+    regions reading it (the second from the cache), with the backward inside the block or
+    after it; or the forward outside the block and the backward inside it, where the cache
+    holds the weight another forward computed."""
     from torch.nn.utils import parametrize
 
+    model = _weight_normed()
+    linear = model[0]
     x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4)
-    plain, model = _weight_normed(), _weight_normed()
-    with parametrize.cached():
-        out = rematerialize(model)(x).sin().sum()
-        with pytest.raises(remat.RecomputeError):
+    twice = wrap(lambda x: model(x).sin() + linear(x).exp())
+    first, second = wrap(lambda x: model(x).sin()), wrap(lambda x: linear(x).exp())
+    if case == "forward outside":
+        out = twice(x).sum()
+        with parametrize.cached():
+            linear(x)
             out.backward()
+    else:
+        with parametrize.cached():
+            out = twice(x).sum() if case.startswith("one") else (first(x) + second(x)).sum()
+            if case.endswith("inside"):
+                out.backward()
+        if case.endswith("after"):
+            out.backward()
+    return [[p.grad for p in model.parameters()], model.state_dict()]
+
+
+@pytest.mark.parametrize(
+    "case", ["one region, backward inside", "one region, backward after",
+             "two regions, backward inside", "two regions, backward after", "forward outside"],
+)  # fmt: skip
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_parametrize_cached_gives_plain_gradients(case, policy):
+    """The recompute starts from the cache that ``parametrize.cached()`` held when its
+    forward began (see limitations.md): it computes the weight where the forward did,
+    and reads from the cache what the forward read from it."""
+    assert_tree_equal(
+        _cached_run(lambda f: rematerialize(f, policy=policy), case),
+        _cached_run(lambda f: f, case),
+    )
+
+
+def test_parametrize_cached_state_is_the_callers_after_the_recompute():
+    """The recompute's cache is a copy: the caller's is as it was, and the weight it
+    computed in the forward is still the one cached."""
+    from torch.nn.utils import parametrize
+
+    model = _weight_normed()
+    x = torch.ones(3, 4, dtype=torch.float64)
     with parametrize.cached():
-        out, expected = rematerialize(model)(x).sin().sum(), plain(x).sin().sum()
-    out.backward()
-    expected.backward()
-    assert_tree_equal([p.grad for p in model.parameters()], [p.grad for p in plain.parameters()])
+        out = rematerialize(model)(x).sum()
+        cache = dict(parametrize._cache)
+        out.backward()
+        assert parametrize._cache.keys() == cache.keys()
+        assert all(parametrize._cache[key] is cache[key] for key in cache)
+        assert parametrize._cache_enabled == 1
+    assert parametrize._cache_enabled == 0
 
 
 class _BuiltOnFirstCall(torch.nn.Module):

@@ -758,3 +758,29 @@ def test_checkpoint_options_are_those_this_torch_takes():
     assert options.keys() <= parameters.keys()
     has = "respect_saved_tensors_hooks" in parameters
     assert options == ({"respect_saved_tensors_hooks": True} if has else {})
+
+
+def test_parametrization_cache_reads_and_sets_the_cached_block_state():
+    """`parametrization_cache` reads what ``parametrize.cached()`` caches (a copy), and
+    `parametrization_cache_set` makes the parametrized weight read that state: computed
+    afresh into a cache of its own, or the cached tensor; then the caller's again."""
+    from torch.nn.utils import parametrize
+
+    linear = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 3))
+    assert tp.parametrization_cache() == (0, {})
+    with parametrize.cached():
+        weight = linear.weight
+        depth, cache = tp.parametrization_cache()
+        assert depth == 1
+        assert [v is weight for v in cache.values()] == [True]
+        assert linear.weight is weight
+        with tp.parametrization_cache_set((1, {})):
+            fresh = linear.weight
+            assert fresh is not weight
+            assert linear.weight is fresh  # cached in the block's own cache
+        with tp.parametrization_cache_set((0, {})):
+            assert linear.weight is not linear.weight  # not cached
+        with tp.parametrization_cache_set((depth, cache)):
+            assert linear.weight is weight
+        assert linear.weight is weight
+    assert tp.parametrization_cache() == (0, {})
