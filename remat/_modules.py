@@ -20,6 +20,11 @@ plain tensor attribute slot, the tensor it held at entry.
 - Plain tensors ``fn`` reaches by reference are version-checked (`loose`): updated by
   the forward, or between the forward and the backward, they raise. Rebound where
   ``fn`` finds them (`Reached.places`), the recompute gets the forward's back.
+- Python state the forward changes and reads back: each submodule's own attributes
+  (rebound, added or deleted: `_rebound`), the lists, dicts and deques among them
+  (`_contents`), and the ints, flags and None in closure cells and named globals
+  (`_atoms_read`) show the recompute what they held at the forward's entry, and what
+  the recompute writes there is undone.
 - The recompute of a watched forward refuses writes to memory from before it other
   than the private copies (`WriteGuard`): state held where remat does not look.
 - A slot whose tensor the forward itself replaced (a module assigning a new
@@ -180,6 +185,7 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
             reached.generators.append(obj)
         elif isinstance(obj, nn.Module):
             reached.modules.append(obj)
+            stack.append(type(obj).forward)  # the code it runs (as for a bound method)
         elif isinstance(obj, _SEQUENCES):
             stack.extend(obj)
         elif isinstance(obj, dict):
@@ -188,6 +194,8 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
             stack.extend([obj.func, *obj.args, *obj.keywords.values()])
         elif callable(obj) and not isinstance(obj, (type, torch.Tensor)):
             stack.extend(_callable_parts(obj))
+            if kind is types.FunctionType:
+                reached.places.extend(_atoms_read(obj))
         else:
             reached.opaque.append(id(obj))
     if reached.tensors:  # (rare: most state is in modules)
@@ -196,13 +204,31 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
     return reached
 
 
+def _atoms_read(fn: types.FunctionType) -> list[tuple[Any, Any, Any]]:
+    """The closure cells and named globals of ``fn`` that hold an int, a float, a flag, a
+    string or None, as places (`_places`): a counter ``fn`` steps (``nonlocal calls``),
+    a cache it first sets from None."""
+    places: list[tuple[Any, Any, Any]] = []
+    for cell in fn.__closure__ or ():
+        value = _get(cell, None)
+        if type(value) in _ATOMS:
+            places.append((cell, None, value))
+    scope = fn.__globals__
+    for name in fn.__code__.co_names:
+        value = scope.get(name, _ABSENT)
+        if type(value) in _ATOMS:
+            places.append((scope, name, value))
+    return places
+
+
 def _places(roots: list[Any], wanted: set[int]) -> list[tuple[Any, Any, Any]]:
     """The rebindable places on every path `reachable` takes from ``roots`` to the objects
     ``wanted`` (ids): what the recompute puts back where ``fn``'s code rebinds them
     between the forward and the backward (``t = t + 1`` on a closure variable).
 
     A place is (holder, key, what it held): a closure cell's contents (key None), a dict's
-    entry, or a list's or deque's whole contents (key `_CONTENTS`, a tuple of them).
+    entry, or a list's or deque's whole contents (key `_CONTENTS`, a tuple of them; a
+    dict's, a copy, for `_contents`).
     """
     nodes: list[tuple[Any, Any, Any, int]] = []  # (holder, key, object, parent node)
     places: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -247,7 +273,7 @@ def _places(roots: list[Any], wanted: set[int]) -> list[tuple[Any, Any, Any]]:
     return list(places.values())
 
 
-_CONTENTS = object()  # the key of a list's or deque's place: all of it
+_CONTENTS = object()  # the key of a list's, deque's or dict's place: all of it
 
 
 def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
@@ -255,7 +281,9 @@ def _keyed_parts(obj: Any) -> list[tuple[Any, Any, Any]]:
     that place can be rebound: (holder, key, part); else (None, None, part)."""
     if type(obj) in (torch.Tensor, nn.Parameter, torch.Generator):
         return []
-    if isinstance(obj, (nn.Module, type)):
+    if isinstance(obj, nn.Module):
+        return [(None, None, type(obj).forward)]
+    if isinstance(obj, type):
         return []
     if isinstance(obj, dict):
         return [(obj, key, part) for key, part in obj.items()]
@@ -638,6 +666,7 @@ class ModuleState:
 
     __slots__ = (
         "aliases",
+        "attributes",
         "before",
         "chains",
         "copies",
@@ -702,6 +731,9 @@ class ModuleState:
         # Where each submodule was held at entry: the recompute runs the forward's (a
         # submodule replaced before the backward, as a teacher swap does).
         self.held: list[tuple[dict[str, Any], str, nn.Module]] = []
+        # Each submodule's ``__dict__``, and a copy of it at entry: the recompute sees what
+        # the forward read where ``fn`` rebinds an attribute (`_rebound`).
+        self.attributes: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
         # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
         # what the forward read there (a closure variable rebound before the backward).
         self.places: list[tuple[Any, Any, Any]] = []
@@ -745,13 +777,15 @@ class ModuleState:
         state.inputs = len(state.slots)
         unlearned = [] if seen else [owner]
         submodules, state.held = _submodules(reached.modules)
+        own = list(map(vars, submodules))
+        state.attributes = own, list(map(dict.copy, own))
         state.modes = list(zip(submodules, map(_TRAINING, submodules), strict=True))
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
         candidates: list[int] = []  # slots `_write_only` allows to be scratch
         # The types of every submodule's attributes, in one pass of native code.
-        values = itertools.chain.from_iterable(map(dict.values, map(vars, submodules)))
+        values = itertools.chain.from_iterable(map(dict.values, own))
         attribute_types = set(map(type, values))
         # Not isinstance: torch.Generator's metaclass makes it slow, on every attribute.
         if torch.Generator in attribute_types:
@@ -802,10 +836,10 @@ class ModuleState:
                 _plan(submodules, state, tables, fsdp, generation, start, unlearned[first:])
         if torch.Tensor in attribute_types:
             state._attributes(submodules, unlearned)
+        state.places = reached.places + _contents(own)
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
-            state.places = reached.places
         if unlearned:
             state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
             state.statistics = {_memory(slots[i].tensor): i for i in candidates}
@@ -819,7 +853,7 @@ class ModuleState:
                         for i, slot in enumerate(state.slots)
                         if slot.table is None or slot.table is not slot.module._parameters
                     }
-        if not (state.slots or state.loose or state.watching or state.sharded or submodules):
+        if not (state.slots or state.places or state.watching or state.sharded or submodules):
             return None
         return state
 
@@ -1070,6 +1104,10 @@ class ModuleState:
         for held in self.held:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
+        tables, entries = self.attributes
+        if _items(tables) != _items(entries):  # (native loops; the usual: all as they were)
+            for table, entry in zip(tables, entries, strict=True):
+                swaps += _rebound(table, entry)
         swaps += filter(_moved, self.places)
         previous: list[tuple[Any, Any, Any]] = []
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
@@ -1090,11 +1128,47 @@ class ModuleState:
 _ABSENT = object()
 
 
+# nn.Module's own attributes: its tables, hooks and training flag (slots, `held` and
+# `modes` show the recompute what they held).
+_MODULE_OWN = frozenset(vars(nn.Module()))
+_CONTAINERS = (list, dict, collections.deque)
+
+
+def _contents(tables: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:
+    """The lists, dicts and deques that modules hold as their own attributes (not
+    nn.Module's tables), each with its contents now, as places (`_places`): the recompute
+    sees what the forward read from one that ``fn`` appends to."""
+    return [
+        (value, _CONTENTS, _get(value, _CONTENTS))
+        for table in tables
+        for name in table.keys() - _MODULE_OWN
+        if type(value := table[name]) in _CONTAINERS
+    ]
+
+
+def _items(tables: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
+    """Every table's keys and what they hold (by identity), in order."""
+    keys = list(itertools.chain.from_iterable(tables))
+    return keys, list(map(id, itertools.chain.from_iterable(map(dict.values, tables))))
+
+
+def _rebound(table: dict[str, Any], entry: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
+    """A module's own attributes that were rebound, added or deleted since the forward's
+    ``entry`` (``self.calls += 1``, a cache first set from None), as places holding the
+    forward's (`pinned`); not its tensors, which its slots show the recompute."""
+    swaps = []
+    for name in (table.keys() | entry.keys()) - _MODULE_OWN:
+        before = entry.get(name, _ABSENT)
+        if not isinstance(before, torch.Tensor) and table.get(name, _ABSENT) is not before:
+            swaps.append((table, name, before))
+    return swaps
+
+
 def _get(holder: Any, key: Any) -> Any:
     """What a place holds: a closure cell's contents (``key`` None), a dict's entry, a
-    list's or deque's contents (`_CONTENTS`)."""
+    list's, deque's or dict's contents (`_CONTENTS`)."""
     if key is _CONTENTS:
-        return tuple(holder)
+        return dict(holder) if isinstance(holder, dict) else tuple(holder)
     try:
         return holder.cell_contents if type(holder) is types.CellType else holder[key]
     except (ValueError, KeyError):  # (an empty cell, a deleted entry)
@@ -1103,7 +1177,10 @@ def _get(holder: Any, key: Any) -> Any:
 
 def _put(holder: Any, key: Any, value: Any) -> None:
     if key is _CONTENTS:
-        if isinstance(holder, collections.deque):
+        if isinstance(holder, dict):
+            holder.clear()
+            holder.update(value)
+        elif isinstance(holder, collections.deque):
             holder.clear()
             holder.extend(value)
         else:
@@ -1130,6 +1207,8 @@ def _moved(place: tuple[Any, Any, Any]) -> bool:
         return getattr(module, "__dict__", None) is holder
     if key is not _CONTENTS:
         return now is not value
+    if isinstance(value, dict):  # (by key: a dict's order is its own)
+        return now.keys() != value.keys() or any(now[k] is not value[k] for k in value)
     return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))
 
 

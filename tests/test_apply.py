@@ -21,6 +21,15 @@ from remat import policies
 DTYPE = torch.float64
 
 
+class _Runs:
+    """How many times a forward ran, counted where remat does not restore state (an
+    attribute of an object that is not a module): a module's own int attribute is the
+    forward's in each recompute, and plain's after it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class Block(nn.Module):
     """A residual block with a batch norm (a buffer the forward updates) and dropout."""
 
@@ -30,10 +39,10 @@ class Block(nn.Module):
         self.norm = nn.BatchNorm1d(2 * width, dtype=DTYPE)
         self.down = nn.Linear(2 * width, width, dtype=DTYPE)
         self.drop = nn.Dropout(0.2)
-        self.calls = 0  # forward runs: the forward, then one recompute per backward
+        self.runs = _Runs()  # forward runs: the forward, then one recompute per backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.runs.count += 1
         return x + self.drop(self.down(torch.tanh(self.norm(self.up(x)))))
 
 
@@ -58,7 +67,7 @@ def _train(model: nn.Module, steps: int = 3) -> list[torch.Tensor]:
 
 
 def _calls(model: nn.Module) -> list[int]:
-    return [m.calls for m in model.modules() if isinstance(m, Block)]
+    return [m.runs.count for m in model.modules() if isinstance(m, Block)]
 
 
 def _assert_same_state(a: nn.Module, b: nn.Module) -> None:

@@ -1403,3 +1403,132 @@ def test_dict_entry_deleted_before_backward_is_not_put_back_last(policy):
     except remat.RecomputeError:
         return
     assert_tree_equal(got, expected)
+
+
+STEPS = 0  # a global counter `_Stateful` steps ("global")
+SCALE_NAMED = torch.ones(6, dtype=DTYPE)  # a global tensor its forward names ("global tensor")
+
+
+class _Child(nn.Module):
+    """A submodule that counts its calls in a plain int (``calls``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return h * self.calls
+
+
+class _Stateful(nn.Module):
+    """A forward that keeps Python state it reads back: each ``how`` rebinds or fills
+    something the forward read (not a parameter, buffer or tensor attribute)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.child = _Child()
+        self.how = how
+        self.last: torch.Tensor | None = None
+        self.count, self.scale, self.first = 0, 1.0, True
+        self.history: list[torch.Tensor] = []
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global STEPS
+        h = self.linear(x)
+        how = self.how
+        if how == "None, then a tensor":  # a cache of the last output, first set from None
+            out = h.tanh() if self.last is None else (h + self.last).tanh()
+            self.last = out.detach()
+            return out
+        if how == "int":
+            self.count += 1
+            factor: Any = self.count
+        elif how == "float":
+            factor, self.scale = self.scale, self.scale * 0.5
+        elif how == "bool":
+            factor, self.first = (2.0 if self.first else 3.0), False
+        elif how == "list appended":
+            factor = sum(self.history) + 1 if self.history else 1
+            self.history.append(h.detach().mean())
+        elif how == "dict entry set":
+            factor = self.cache.get("mean", 1)
+            self.cache["mean"] = h.detach().mean(0)
+        elif how == "global counter":
+            STEPS += 1
+            factor = STEPS
+        elif how == "global tensor":
+            factor = SCALE_NAMED
+        else:  # "submodule's int"
+            return self.child(h).tanh()
+        return (h * factor).tanh()
+
+
+PYTHON_STATE = [
+    "None, then a tensor", "int", "float", "bool", "list appended", "dict entry set",
+    "global counter", "global tensor", "submodule's int",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", PYTHON_STATE)
+@pytest.mark.parametrize("wrap", ["module", "apply"])
+@each_policy
+def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(policy, wrap, how):
+    """Python state the forward reads and then changes (a module attribute rebound, a list
+    it appends to, a dict entry it sets, a counter in a closure or a global), or that the
+    caller rebinds between the forward and the backward (a global tensor the module's own
+    forward names): the recompute reads what the forward read, and the state ends as
+    plain's (a function's closure counter: the test below). Before, the default policy
+    gave other gradients with no error (as torch.utils.checkpoint does), and the per-op
+    policies raised `RecomputeError`."""
+    global SCALE_NAMED
+
+    def train(model: _Stateful, region: Callable[..., Any]) -> list[Any]:
+        global STEPS, SCALE_NAMED
+        STEPS, SCALE_NAMED = 0, torch.ones(6, dtype=DTYPE)
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = region(x)
+            SCALE_NAMED = SCALE_NAMED + 1  # rebound before the backward
+            out.sum().backward()
+            results += [out.detach(), x.grad, model.linear.weight.grad]
+        counts = [model.count, model.scale, model.first, model.child.calls, STEPS]
+        return [*results, model.last, model.history, model.cache, torch.tensor(counts)]
+
+    plain = _Stateful(how)
+    expected = train(plain, plain)
+    model = _Stateful(how)
+    if wrap == "module":
+        got = train(model, remat.remat(model, policy=policy))
+    else:
+        got = train(model, remat.apply(model, policy=policy))
+    assert_tree_equal(got, expected)
+
+
+@each_policy
+def test_closure_counter_the_forward_steps_is_the_forwards_in_the_recompute(policy):
+    """A region's function steps a counter in its closure (``nonlocal``) and reads it: the
+    recompute reads the forward's count, and the count ends as plain's."""
+
+    def train(wrap: Callable[..., Any]) -> list[Any]:
+        calls = 0
+        linear = _net()[0]
+
+        def counted(x: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            return (linear(x) * calls).tanh()
+
+        region = wrap(counted)
+        grads = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            region(x).sum().backward()
+            grads += [x.grad, linear.weight.grad]
+        return [*grads, torch.tensor(calls)]
+
+    assert_tree_equal(train(functools.partial(remat.remat, policy=policy)), train(lambda f: f))
