@@ -120,6 +120,49 @@ def test_object_attribute_changed_in_place_is_not_detected() -> None:
     assert not torch.allclose(x.grad, expected), STALE
 
 
+class _Counter:
+    """Not a module: its attributes are not shown to the recompute as the forward read them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+SUBMODULE_STEPS = 0  # a global only a submodule's forward names
+
+
+class _StepsAGlobal(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        global SUBMODULE_STEPS
+        SUBMODULE_STEPS += 1
+        return h * SUBMODULE_STEPS
+
+
+@pytest.mark.parametrize("where", ["an object's attribute", "a submodule's global"])
+def test_python_state_remat_does_not_show_the_recompute_is_read_as_the_backward_finds_it(where):
+    """State the forward steps where remat does not look (limitations.md, `fn` must repeat
+    itself): an int attribute of an object that is not a module, and a global that only a
+    submodule's code names. The recompute reads what the forward left: other gradients
+    than plain's, with no error."""
+    global SUBMODULE_STEPS
+    counter, outer = _Counter(), torch.nn.Sequential(_StepsAGlobal())  # its child steps it
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if where == "an object's attribute":
+            counter.count += 1
+            return (x * counter.count).sin()
+        return outer(x).sin()
+
+    def grad(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        global SUBMODULE_STEPS
+        counter.count, SUBMODULE_STEPS = 0, 0
+        x = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
+        f(x).sum().backward()
+        assert x.grad is not None
+        return x.grad
+
+    assert not torch.allclose(grad(rematerialize(fn)), grad(fn)), STALE
+
+
 def _diverging() -> Callable[[torch.Tensor], torch.Tensor]:
     calls: list[None] = []
 
