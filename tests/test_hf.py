@@ -404,7 +404,8 @@ def test_hf_checkpointing_generate_in_train_mode_loses_the_context(name):
 def test_t5_training_is_plain_without_the_cache():
     """T5 under `remat.apply`: two SGD steps bitwise plain's and Hugging Face checkpointing's
     without the cache (the call the layers make in training); plain's default call, which
-    fills the cache, gives the same losses and gradients within float32 rounding only."""
+    fills the cache, gives the same losses and gradients within float32 rounding (bitwise
+    on some CPUs, not on others: docs/models.md)."""
     model, layer = _model("t5")
     plain, hf = copy.deepcopy(model), copy.deepcopy(model)
     cached = copy.deepcopy(model)
@@ -413,13 +414,7 @@ def test_t5_training_is_plain_without_the_cache():
     history = _train(model)
     _assert_same(_train(plain, use_cache=False), history)
     _assert_same(_train(hf), history)
-    with_cache = _train(cached)
-    torch.testing.assert_close(with_cache, history)
-    # What docs/models.md says of this T5: the cache changes plain's own gradients.
-    grads = [(a[k], b[k]) for (_, a), (_, b) in zip(with_cache, history, strict=True) for k in a]
-    assert not all(torch.equal(a, b) for a, b in grads), (
-        "plain's call with and without the cache agree bitwise here: update docs/models.md"
-    )
+    torch.testing.assert_close(_train(cached), history)
 
 
 def _trainer(model: nn.Module, out: Path, **options: Any) -> Any:
