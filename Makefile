@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 DEPS := $(VENV)/.deps
 PKG := $(VENV)/.pkg
 
-.PHONY: demo test compat fuzz bench docs gpu-check clean
+.PHONY: demo test compat compat-venvs fuzz bench docs gpu-check clean
 
 $(DEPS): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,9 @@ compat-%: $(COMPAT_VENVS)/torch-%$(WITH)/.pkg
 	$(COMPAT_VENVS)/torch-$*$(WITH)/bin/pytest --doctest-modules --pyargs remat
 
 compat: $(addprefix compat-,$(TORCH))
+
+# The venvs alone, no test (CI makes them while make test runs).
+compat-venvs: $(addsuffix $(WITH)/.deps,$(addprefix $(COMPAT_VENVS)/torch-,$(TORCH)))
 
 .PRECIOUS: $(COMPAT_VENVS)/torch-%$(WITH)/.deps $(COMPAT_VENVS)/torch-%$(WITH)/.pkg
 
