@@ -29,6 +29,7 @@ from ._errors import (
     RecomputeError,
     TraceEntry,
     changed_since_forward,
+    data_replaced,
     debugging,
     describe,
     describe_meta,
@@ -36,7 +37,7 @@ from ._errors import (
     node_op,
 )
 from ._keep import Keeper
-from ._modules import ModuleState, WriteGuard
+from ._modules import ModuleState, WriteGuard, same_storage, storage_id, storage_of
 from ._policies import Policy
 from ._replayer import Replayer, Restart
 from ._rng import GeneratorWatch, RngCapture, RngLend, threaded
@@ -102,17 +103,20 @@ class _Kept(_torch_private.OpaqueBase):
 
 
 class _Weak:
-    """A region input, held weakly once a pass that frees the graph has recomputed."""
+    """A region input, held weakly once a pass that frees the graph has recomputed (its
+    storage too: by `storage_id` only)."""
 
-    __slots__ = ("ref", "version")
+    __slots__ = ("ref", "storage", "version")
 
-    def __init__(self, t: torch.Tensor, version: int) -> None:
-        self.ref, self.version = weakref.ref(t), version
+    def __init__(self, t: torch.Tensor, version: int, storage: int | None) -> None:
+        self.ref, self.version, self.storage = weakref.ref(t), version, storage
 
     def get(self) -> torch.Tensor:
         t = self.ref()
         if t is None:
             raise _freed("its inputs")
+        if not same_storage(t, self.storage):
+            raise data_replaced("an argument", "Assign it after the backward.")
         return _unchanged(t, self.version)
 
 
@@ -476,6 +480,7 @@ class Region:
         self.tensors = inputs
         self.inputs = {id(t): t for t in inputs}
         self.versions = [t._version for t in inputs]
+        self.storages = list(map(storage_of, inputs))  # (``.data`` assigned: another)
         self.check = check
         self.handles: list[weakref.ref[_Handle]] = []
         self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
@@ -551,15 +556,16 @@ class Region:
         self.call = self.tree_map(
             lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
         )
-        self.tensors, self.inputs, self.versions = [], {}, []
+        self.tensors, self.inputs, self.versions, self.storages = [], {}, [], []
 
     def hold_inputs_weakly(self) -> None:
         """After this pass's recompute: hold the inputs only while something else does."""
-        slots = {id(t): _Weak(t, v) for t, v in zip(self.tensors, self.versions, strict=True)}
+        held = zip(self.tensors, self.versions, self.storages, strict=True)
+        slots = {id(t): _Weak(t, v, storage_id(storage)) for t, v, storage in held}
         self.call = self.tree_map(
             lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
         )
-        self.tensors, self.inputs, self.versions = [], {}, []
+        self.tensors, self.inputs, self.versions, self.storages = [], {}, [], []
 
     def call_now(self) -> tuple[Any, list[torch.Tensor]]:
         """The call and its tensor inputs, fetched back if handed over or held weakly."""
@@ -623,6 +629,12 @@ class Region:
         return None
 
     def check_inputs(self, inside: bool = False) -> None:
+        for i, (t, storage) in enumerate(zip(self.tensors, self.storages, strict=True)):
+            if not same_storage(t, storage_id(storage)):
+                raise data_replaced(
+                    f"argument {self.paths()[i]}",
+                    "Assign `.data` after the backward, or pass another tensor to the next call.",
+                )
         for i, (t, version) in enumerate(zip(self.tensors, self.versions, strict=True)):
             if t._version == version:
                 continue

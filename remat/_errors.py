@@ -86,6 +86,16 @@ def changed_since_forward(what: str, before: int, after: int, fix: str) -> Runti
     )
 
 
+def data_replaced(what: str, fix: str) -> RuntimeError:
+    """`changed_since_forward`, for a tensor given other memory (``.data`` assigned), which
+    no version counter shows."""
+    return RuntimeError(
+        f"`remat`: {what} had its `.data` replaced since the forward began; the recompute "
+        "would read the new value (plain autograd's saved tensors hold the old one) and its "
+        f"gradients would be wrong. {fix}"
+    )
+
+
 def node_op(node: Any) -> str:
     """The aten op behind an autograd node (or its name): ``AddmmBackward0`` -> ``aten.addmm``."""
     name = (node if isinstance(node, str) else node.name()).rstrip("0123456789")

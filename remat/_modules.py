@@ -56,7 +56,14 @@ import torch
 from torch import nn
 
 from . import _torch_private
-from ._errors import RecomputeError, changed_since_forward, describe_meta, source_line
+from ._errors import (
+    RecomputeError,
+    changed_since_forward,
+    data_replaced,
+    describe,
+    describe_meta,
+    source_line,
+)
 
 __all__ = [
     "BATCH_NORM_OPS",
@@ -66,6 +73,9 @@ __all__ = [
     "owner_of",
     "programs",
     "reachable",
+    "same_storage",
+    "storage_id",
+    "storage_of",
 ]
 
 
@@ -380,6 +390,30 @@ def _memory(t: torch.Tensor) -> int:
         return -1
 
 
+def storage_of(t: torch.Tensor) -> Any:
+    """The storage ``t`` views (the plain tensor's, under torch.func wrappers), or None for a
+    tensor with none. Assigning ``.data`` gives a tensor another storage; resizing one (as
+    FSDP frees and gathers parameters) keeps it. Held, it is never another's."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a torch.func wrapper, a subclass, sparse
+        pass
+    try:
+        return _torch_private.unwrap_all(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def storage_id(storage: Any) -> int | None:
+    """Which storage `storage_of` gave (while held, no other has its id)."""
+    return None if storage is None else int(storage._cdata)
+
+
+def same_storage(t: torch.Tensor, held: int | None) -> bool:
+    """Whether ``t`` still views the storage of id ``held`` (`storage_id`)."""
+    return storage_id(storage_of(t)) == held
+
+
 def _memories(tensors: list[torch.Tensor]) -> list[int]:
     """`_memory` of each of ``tensors``."""
     try:
@@ -676,6 +710,7 @@ class ModuleState:
         "inputs",
         "learners",
         "loose",
+        "loose_storages",
         "lost",
         "modes",
         "places",
@@ -711,6 +746,7 @@ class ModuleState:
         self.uninitialized: list[str] = []  # a lazy module's tensors, not made yet
         # Reached by reference, and their versions (at entry, then when the forward ended).
         self.loose: list[tuple[torch.Tensor, int]] = []
+        self.loose_storages: list[Any] = []  # each one's `storage_of`, at entry
         # A watched forward (the first of some module or owner in this training mode): what
         # learns from it, the slots' memory at entry, and the slots it wrote (`before_write`).
         self.watching = False
@@ -840,6 +876,7 @@ class ModuleState:
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
+            state.loose_storages = [storage_of(t) for t, _ in state.loose]
         if unlearned:
             state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
             state.statistics = {_memory(slots[i].tensor): i for i in candidates}
@@ -1018,15 +1055,13 @@ class ModuleState:
                 "a second time and read the updated value. Keep such state in a buffer of a "
                 "module `fn` reaches (`register_buffer`), or pass it to `fn` as an argument."
             )
-        for loose, version in self.loose if self.settled else ():
-            if loose._version != version:
-                layout = describe_meta(loose.shape, loose.dtype, loose.device)
-                raise changed_since_forward(
-                    f"a tensor `fn` reaches by reference ({layout})",
-                    version,
-                    loose._version,
-                    "Modify it after the backward, or pass it to `fn` as an argument.",
-                )
+        for (loose, version), storage in zip(self.loose, self.loose_storages, strict=True):
+            what = f"a tensor `fn` reaches by reference ({describe(loose)})"
+            fix = "Modify it after the backward, or pass it to `fn` as an argument."
+            if self.settled and loose._version != version:
+                raise changed_since_forward(what, version, loose._version, fix)
+            if not same_storage(loose, storage_id(storage)):
+                raise data_replaced(what, fix)
         for slot in self.sharded:
             if slot.tensor._version != slot.version:
                 raise changed_since_forward(

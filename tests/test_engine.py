@@ -220,6 +220,51 @@ def test_input_modified_in_place_raises_naming_it(fn, mutate, name):
         y.sum().backward()
 
 
+_GLOBAL = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4)
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+@pytest.mark.parametrize(
+    ("replaced", "name"),
+    [
+        ("x", "argument `x`"),
+        ("k", "argument `k`"),
+        ("closure", "a tensor `fn` reaches by reference"),
+        ("global", "a tensor `fn` reaches by reference"),
+        ("same memory", None),
+    ],
+)
+def test_data_replaced_between_forward_and_backward_raises_naming_it(policy, replaced, name):
+    """``.data`` assigned between the forward and the backward gives a tensor other memory
+    with no version bump: the recompute would read the new values, where plain autograd's
+    saved intermediates hold the forward's (remat's gradients differed from plain's, with no
+    error). A region that recomputes raises, naming the tensor; one that recomputes nothing
+    (`save_everything`) gives plain's. A ``.data`` that keeps the memory changes nothing."""
+    closure = torch.linspace(-2, 2, 16, dtype=torch.float64).view(4, 4)
+
+    def fn(x, k):
+        return ((x @ closure).tanh() @ k).sin() @ _GLOBAL
+
+    def grads(wrap):
+        x = torch.linspace(-1, 2, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        k = torch.linspace(1, -1, 16, dtype=torch.float64).view(4, 4)
+        out = wrap(fn)(x, k).sum()
+        tensor = {"x": x, "k": k, "closure": closure}.get(replaced, _GLOBAL)
+        original = tensor.data
+        tensor.data = tensor.data.view(tensor.shape) if replaced == "same memory" else original * 2
+        try:
+            return torch.autograd.grad(out, x)[0]
+        finally:
+            tensor.data = original
+
+    plain = grads(lambda f: f)
+    if name is None or policy == "save_everything":
+        assert torch.equal(grads(lambda f: remat(f, policy=policy)), plain)
+        return
+    with pytest.raises(RuntimeError, match=re.escape(f"{name}") + ".* had its `.data` replaced"):
+        grads(lambda f: remat(f, policy=policy))
+
+
 @pytest.mark.parametrize(
     ("forward_autocast", "backward_autocast"),
     [(True, False), (False, True), (True, True)],
@@ -556,10 +601,14 @@ def test_an_input_let_go_of_after_a_freeing_pass_is_never_substituted():
     """Under compiled autograd a pass that frees the graph lets remat drop kept inputs
     and hold region inputs weakly. Read again, a dead one raises, a changed one too."""
     t = torch.ones(3)
-    weak = _engine._Weak(t, t._version)
+    weak = _engine._Weak(t, t._version, t.untyped_storage()._cdata)
     assert weak.get() is t
     t.add_(1)
     with pytest.raises(RuntimeError, match="modified in place between the forward"):
+        weak.get()
+    weak = _engine._Weak(t, t._version, t.untyped_storage()._cdata)
+    t.data = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"an argument had its `.data` replaced"):
         weak.get()
     del t
     gc.collect()
