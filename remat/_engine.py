@@ -883,7 +883,7 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
             raise
         if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
             raise Restart
-        stopped = pack.stopped
+        stopped = pack.stopped or not pack.remaining
     pack.check_versions()  # (outside the recompute's modes, which would see each read)
     if stopped:
         return pack.values  # (detached as the recompute ended: `_RecomputePack.finish`)
@@ -927,6 +927,10 @@ class _RecomputePack:
         self.kinds = iter(region.kinds)
         self.count = 0
         self.stopped = False
+        # The node of the op that saved the last value with no history, and, once every
+        # value is in, of the op that saved it, if it saved the last value too.
+        self.unwritten: int | None = None
+        self.after: int | None = None
         self.check = region.meta if region.check else None  # the forward's `_meta`s
         # Under re-created levels, a value wrapped at one dies with it and then acts
         # as its contents, as the forward's own (dead) wrapper does. A per-op policy's
@@ -940,6 +944,12 @@ class _RecomputePack:
 
     def __call__(self, t: torch.Tensor) -> Any:
         if self.stopped:  # ``fn`` caught `_Stop` and went on
+            raise _Stop
+        if self.after is not None:  # every value is in; the op that saved the last one ran?
+            node = t.grad_fn
+            if node is None or node._sequence_nr() < self.after:
+                return t
+            self.stopped = True
             raise _Stop
         if _torch_private.dispatch_modes():  # (its ops are remat's own: no mode may see them)
             with QUIET:
@@ -980,7 +990,16 @@ class _RecomputePack:
             self.values[index] = value
             self.versions.append((index, t, t._version))
             self.remaining -= 1
+            if t.grad_fn is None and not t.requires_grad:
+                # A value with no history may be an argument that the op saving it writes
+                # after saving it, with no version bump (rrelu's noise).
+                self.unwritten = _torch_private.last_node()
         if not self.remaining:
+            if self.unwritten is not None and self.unwritten == _torch_private.last_node():
+                # That op saved the last value too: stop once it has run, at a value of its
+                # node or a later one (or at the end of ``fn``).
+                self.after = self.unwritten
+                return value
             self.stopped = True
             raise _Stop
         return value

@@ -37,6 +37,7 @@ else:
 
 __all__ = [
     "current_graph_task_id",
+    "last_node",
     "dispatch_modes",
     "graph_retained",
     "functorch_cleared",
@@ -94,6 +95,13 @@ __all__ = [
 # public notion of "which backward is this". (The native function itself: it runs at
 # every unpack.)
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+
+def last_node() -> int:
+    """The sequence number of the autograd node this thread made last: inside a pack hook,
+    the node of the op saving the value (made before it saves; `Node._sequence_nr`)."""
+    return torch._C._autograd._get_sequence_nr() - 1
+
 
 # How many torch dispatch modes are active (outside torch's own infrastructure modes).
 dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack

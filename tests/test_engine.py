@@ -92,6 +92,45 @@ def test_early_stop_before_op_whose_input_is_last_saved_value():
     assert backward.counts["aten.sin"] == 0
 
 
+_RRELU = {
+    "F.rrelu": lambda: lambda x: F.rrelu(x, training=True),
+    "F.rrelu*2": lambda: lambda x: F.rrelu(x, training=True) * 2,
+    "Linear-RReLU": lambda: nn.Sequential(nn.Linear(4, 4), nn.RReLU()).double(),
+    "residual": lambda: _Residual(nn.Sequential(nn.Linear(4, 4), nn.RReLU()).double()),
+}
+
+
+class _Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x + self.inner(x)
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+@pytest.mark.parametrize("make", _RRELU.values(), ids=_RRELU.keys())
+@pytest.mark.parametrize("transform", ["eager", "grad"])
+def test_early_stop_lets_an_op_fill_a_value_it_saved_empty(make, policy, transform):
+    """rrelu in training saves its noise tensor empty, then fills it (no version bump).
+    When it saves the last needed value, the recompute lets it run: gradients are plain's,
+    where they were read from memory nothing wrote (torch.utils.checkpoint's still are)."""
+
+    def grads(wrap):
+        torch.manual_seed(0)
+        fn = make()
+        x = torch.linspace(-2, 2, 12, dtype=torch.float64).view(3, 4)
+        torch.manual_seed(1)
+        if transform == "grad":
+            return torch.func.grad(lambda x: wrap(fn)(x).sum())(x)
+        x.requires_grad_()
+        wrap(fn)(x).sum().backward()
+        return x.grad
+
+    assert torch.equal(grads(lambda f: remat(f, policy=policy)), grads(lambda f: f))
+
+
 def test_retain_graph_recomputes_once_per_pass():
     """With ``retain_graph=True``, each backward pass re-runs ``fn`` once, same grads."""
     calls = []

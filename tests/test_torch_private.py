@@ -170,6 +170,18 @@ def test_current_graph_task_id():
     assert tp.current_graph_task_id() == -1
 
 
+def test_last_node_in_a_pack_hook_is_the_node_of_the_op_saving():
+    """Inside a pack hook, `last_node` is the sequence number of the saving op's node, made
+    before it saves; the next op's nodes come after it."""
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tp.last_node()) or t, id):
+        y = x.exp()  # saves its result, after it runs
+        z = y.sin()  # saves its argument, before it runs
+    assert seen == [y.grad_fn._sequence_nr(), z.grad_fn._sequence_nr()]
+    assert z.grad_fn._sequence_nr() > y.grad_fn._sequence_nr()
+
+
 def test_dispatch_modes_counts_the_active_torch_dispatch_modes():
     assert tp.dispatch_modes() == 0
     with tp.TorchDispatchMode():
