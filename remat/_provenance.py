@@ -32,7 +32,7 @@ def storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     memory = None if t._is_zerotensor() else data_start(t)
     if memory is None:
         return None
-    return (memory, t.storage_offset(), t.shape, t.stride(), t.dtype)
+    return (memory, t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 aten = torch.ops.aten
@@ -112,8 +112,9 @@ def _passes_through(op: Op, args: Any, out: Any) -> bool:
 
 
 def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
-    """Where in its storage a tensor's values lie, and how they are read."""
-    return (t.storage_offset(), t.shape, t.stride(), t.dtype)
+    """Where in its storage a tensor's values lie, and how they are read (a conjugate or
+    negative view reads them otherwise)."""
+    return (t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 def data_start(t: torch.Tensor) -> int | None:
