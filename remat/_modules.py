@@ -22,8 +22,8 @@ plain tensor attribute slot, the tensor it held at entry.
   ``fn`` finds them (`Reached.places`), the recompute gets the forward's back.
 - Python state the forward changes and reads back: each submodule's own attributes
   (rebound, added or deleted: `_rebound`), the lists, dicts and deques among them
-  (`_contents`), and the ints, flags and None in closure cells and named globals
-  (`_atoms_read`) show the recompute what they held at the forward's entry, and what
+  (`_contents`), and what closure cells and named globals hold (`_names_read`: an int,
+  a flag, a function) show the recompute what they held at the forward's entry, and what
   the recompute writes there is undone.
 - The recompute of a watched forward refuses writes to memory from before it other
   than the private copies (`WriteGuard`): state held where remat does not look.
@@ -205,7 +205,7 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
         elif callable(obj) and not isinstance(obj, (type, torch.Tensor)):
             stack.extend(_callable_parts(obj))
             if kind is types.FunctionType:
-                reached.places.extend(_atoms_read(obj))
+                reached.places.extend(_names_read(obj))
         else:
             reached.opaque.append(id(obj))
     if reached.tensors:  # (rare: most state is in modules)
@@ -214,19 +214,19 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
     return reached
 
 
-def _atoms_read(fn: types.FunctionType) -> list[tuple[Any, Any, Any]]:
-    """The closure cells and named globals of ``fn`` that hold an int, a float, a flag, a
-    string or None, as places (`_places`): a counter ``fn`` steps (``nonlocal calls``),
-    a cache it first sets from None."""
+def _names_read(fn: types.FunctionType) -> list[tuple[Any, Any, Any]]:
+    """The closure cells and named globals of ``fn``, as places (`_places`), but those
+    holding modules: a counter ``fn`` steps (``nonlocal calls``), a cache it first sets
+    from None, a function or a ``partial`` rebound between the forward and the backward."""
     places: list[tuple[Any, Any, Any]] = []
     for cell in fn.__closure__ or ():
         value = _get(cell, None)
-        if type(value) in _ATOMS:
+        if type(value) is not types.ModuleType:
             places.append((cell, None, value))
     scope = fn.__globals__
     for name in fn.__code__.co_names:
         value = scope.get(name, _ABSENT)
-        if type(value) in _ATOMS:
+        if value is not _ABSENT and type(value) is not types.ModuleType:
             places.append((scope, name, value))
     return places
 

@@ -1509,6 +1509,42 @@ def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(polic
     assert_tree_equal(got, expected)
 
 
+_ACTIVATION = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+
+
+@each_policy
+@pytest.mark.parametrize("where", ["global", "closure"])
+def test_function_rebound_before_the_backward_is_the_forwards_in_the_recompute(policy, where):
+    """A global (or closure variable) holding a function, rebound between the forward and the
+    backward to one that runs the same ops with another constant: the recompute calls the
+    forward's. The default policy gave other gradients than plain's, with no error."""
+    global _ACTIVATION
+    activation = _ACTIVATION
+
+    def from_closure(x: torch.Tensor) -> torch.Tensor:
+        return activation(x.sin()).exp()
+
+    def from_global(x: torch.Tensor) -> torch.Tensor:
+        return _ACTIVATION(x.sin()).exp()
+
+    def grad(wrap: Callable[..., Any]) -> torch.Tensor:
+        nonlocal activation
+        global _ACTIVATION
+        first = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+        activation = _ACTIVATION = first
+        x = _batch(0).requires_grad_()
+        out = wrap(from_global if where == "global" else from_closure)(x).sum()
+        activation = _ACTIVATION = functools.partial(first.func, negative_slope=0.5)
+        (grad,) = torch.autograd.grad(out, x)
+        assert activation is _ACTIVATION  # (the caller's, after the backward)
+        return grad
+
+    try:
+        assert torch.equal(grad(functools.partial(remat.remat, policy=policy)), grad(lambda f: f))
+    finally:
+        _ACTIVATION = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+
+
 @each_policy
 def test_closure_counter_the_forward_steps_is_the_forwards_in_the_recompute(policy):
     """A region's function steps a counter in its closure (``nonlocal``) and reads it: the
