@@ -510,6 +510,45 @@ class _Plan(NamedTuple):
 
 _PLANS: dict[int, _Plan] = {}  # id of a `_Tree.found` -> its plan
 _TABLES = operator.attrgetter("_parameters", "_buffers")
+# The forward hooks a module call runs: each module's tables, and nn.Module's global ones.
+_HOOK_TABLES = operator.attrgetter(
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+_GLOBAL_HOOK_TABLES = operator.attrgetter(
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+)
+
+
+def _hook_tables(submodules: list[nn.Module]) -> list[dict[Any, Any]]:
+    """Every forward hook table a call of ``submodules`` reads, the global ones first."""
+    tables = list(_GLOBAL_HOOK_TABLES(sys.modules[nn.Module.__module__]))
+    return tables + list(itertools.chain.from_iterable(map(_HOOK_TABLES, submodules)))
+
+
+def _hooks_moved(hooks: tuple[list[dict[Any, Any]], list[int], list[Any]]) -> list[Any]:
+    """The hook tables (`_hook_tables`) whose hooks are not the forward's, as places holding
+    the forward's: a hook registered, removed or replaced before the backward."""
+    tables, lengths, held = hooks
+    if list(map(len, tables)) == lengths and all(
+        list(table.items()) == list(entry.items()) for table, entry in held
+    ):
+        return []  # (the usual: no hook, or the same ones)
+    entries = {id(table): entry for table, entry in held}
+    places = []
+    for table in tables:
+        entry = entries.get(id(table), {})
+        if list(table.items()) != list(entry.items()):
+            places.append((table, _CONTENTS, entry))
+    return places
+
+
 _PLAIN = frozenset((torch.Tensor, nn.Parameter))
 
 
@@ -707,6 +746,7 @@ class ModuleState:
         "ended",
         "generators",
         "held",
+        "hooks",
         "inputs",
         "learners",
         "loose",
@@ -770,6 +810,9 @@ class ModuleState:
         # Each submodule's ``__dict__``, and a copy of it at entry: the recompute sees what
         # the forward read where ``fn`` rebinds an attribute (`_rebound`).
         self.attributes: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+        # The forward hook tables a call of the submodules reads, their lengths, and a copy
+        # of the ones with hooks, at entry: the recompute runs the forward's (`_hooks_moved`).
+        self.hooks: tuple[list[dict[Any, Any]], list[int], list[Any]] = ([], [], [])
         # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
         # what the forward read there (a closure variable rebound before the backward).
         self.places: list[tuple[Any, Any, Any]] = []
@@ -815,6 +858,13 @@ class ModuleState:
         submodules, state.held = _submodules(reached.modules)
         own = list(map(vars, submodules))
         state.attributes = own, list(map(dict.copy, own))
+        hooks = _hook_tables(submodules)
+        with_hooks = list(filter(None, hooks))
+        state.hooks = (
+            hooks,
+            list(map(len, hooks)),
+            list(zip(with_hooks, map(dict.copy, with_hooks), strict=True)),
+        )
         state.modes = list(zip(submodules, map(_TRAINING, submodules), strict=True))
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
@@ -1144,6 +1194,7 @@ class ModuleState:
             for table, entry in zip(tables, entries, strict=True):
                 swaps += _rebound(table, entry)
         swaps += filter(_moved, self.places)
+        swaps += _hooks_moved(self.hooks)
         previous: list[tuple[Any, Any, Any]] = []
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
         try:

@@ -1509,6 +1509,56 @@ def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(polic
     assert_tree_equal(got, expected)
 
 
+def _hooks_changed(model: nn.Sequential, how: str) -> Callable[[], None]:
+    """Change ``model``'s forward hooks as ``how`` says; what undoes it (a global hook)."""
+    if how == "replaced":
+        model[0]._forward_hooks.clear()
+        model[0].register_forward_hook(lambda module, args, out: out * 5)
+    elif how == "removed":
+        model[0]._forward_hooks.clear()
+    elif how == "added":
+        model[3].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    elif how == "global":
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: out * 2 if isinstance(module, nn.Linear) else None
+        )
+        return handle.remove
+    return lambda: None
+
+
+@each_policy
+@pytest.mark.parametrize("wrap", ["module", "apply"])
+@pytest.mark.parametrize("how", ["replaced", "removed", "added", "global"])
+def test_forward_hooks_changed_before_the_backward_are_the_forwards_in_the_recompute(
+    policy, wrap, how
+):
+    """A module forward hook replaced, removed or added between the forward and the backward
+    (or a global one added): the recompute runs the forward's hooks, and the caller's are
+    back when it ends. The default policy gave other gradients than plain's with no error,
+    or raised where a hook changed the saved values."""
+
+    def train(model: nn.Sequential, wrapped: Callable[..., Any]) -> list[Any]:
+        model[0].register_forward_hook(lambda module, args, out: out * 3)
+        x = _batch(0).requires_grad_()
+        out = wrapped(x).sum()
+        undo = _hooks_changed(model, how)
+        try:
+            out.backward()
+        finally:
+            undo()
+        hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+        return [x.grad, *[p.grad for p in model.parameters()], torch.tensor(hooks)]
+
+    plain = _net()
+    expected = train(plain, plain)
+    model = _net()
+    if wrap == "module":
+        got = train(model, remat.remat(model, policy=policy))
+    else:
+        got = train(model, remat.apply(model, policy=policy))
+    assert_tree_equal(got, expected)
+
+
 _ACTIVATION = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
 
 
