@@ -39,7 +39,7 @@ from ._errors import (
 from ._keep import Keeper
 from ._modules import ModuleState, WriteGuard, same_storage, storage_id, storage_of
 from ._policies import Policy
-from ._replayer import Replayer, Restart
+from ._replayer import Replayer, Restart, Stop
 from ._rng import GeneratorWatch, RngCapture, RngLend, threaded
 
 __all__ = ["Region", "running_region"]
@@ -186,10 +186,6 @@ def _given_back(given: _Given) -> torch.Tensor | None:
     with QUIET:
         empty = torch.empty(0, dtype=given[4], device=storage.device)
         return empty.set_(storage, given[1], given[2], given[3])
-
-
-class _Stop(BaseException):
-    """Raised by the recompute's pack hook once every needed value exists."""
 
 
 class _WrittenError(RuntimeError):
@@ -875,7 +871,7 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
         replayer = pack.replayer
         try:
             region.fn(*call[0], **call[1])
-        except _Stop:
+        except Stop:
             pass
         except Exception as error:
             if replayer is not None and replayer.placeholders:  # ``.numpy()`` on one, say
@@ -943,14 +939,14 @@ class _RecomputePack:
         )
 
     def __call__(self, t: torch.Tensor) -> Any:
-        if self.stopped:  # ``fn`` caught `_Stop` and went on
-            raise _Stop
+        if self.stopped:  # ``fn`` caught `Stop` and went on
+            raise Stop
         if self.after is not None:  # every value is in; the op that saved the last one ran?
             node = t.grad_fn
             if node is None or node._sequence_nr() < self.after:
                 return t
             self.stopped = True
-            raise _Stop
+            raise Stop
         if _torch_private.dispatch_modes():  # (its ops are remat's own: no mode may see them)
             with QUIET:
                 return self._collect(t)
@@ -999,9 +995,11 @@ class _RecomputePack:
                 # That op saved the last value too: stop once it has run, at a value of its
                 # node or a later one (or at the end of ``fn``).
                 self.after = self.unwritten
+                if self.replayer is not None:  # (it sees that op run, and stops then)
+                    self.replayer.stop_after = self.unwritten
                 return value
             self.stopped = True
-            raise _Stop
+            raise Stop
         return value
 
     def check_versions(self) -> None:

@@ -39,6 +39,11 @@ class Restart(BaseException):
     """A recompute read a value it skipped: run it again without skipping."""
 
 
+class Stop(BaseException):
+    """Every value the backward needs exists: the recompute ends (the early stop). Raised
+    by its pack hook, or by `Replayer.call` (`Replayer.stop_after`)."""
+
+
 # `OpMode`'s other callback: whether a random op's draw could be left out.
 Passed = Callable[[Op, Any, Any], bool]
 
@@ -59,6 +64,7 @@ class Replayer:
         "placeholders",
         "provenance",
         "restart",
+        "stop_after",
     )
 
     def __init__(self, keeper: Keeper, inputs: list[torch.Tensor]) -> None:
@@ -78,6 +84,9 @@ class Replayer:
         self.placeholders: dict[int, tuple[torch.Tensor, torch.device]] = {}
         placeholder_maps().append(self.placeholders)  # for a nested region's random ops
         self.diverged = self.restart = False
+        # Every value is in, the last saved by an op that saved one with no history too:
+        # that op's node (`_RecomputePack`). It runs, as it may write what it saved.
+        self.stop_after: int | None = None
         self.last: Any = None
         # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
         self.fresh: dict[int, weakref.ref[Any]] = {}
@@ -89,6 +98,8 @@ class Replayer:
         already. A random op that does not run leaves its draw out (``passed``), or where
         that cannot be, draws into scratch memory (`_pass`).
         """
+        if self.stop_after is not None:
+            return self._last(op, args, kwargs, run, passed)
         signature = self.provenance.signature(op, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
         if index is None and not self.diverged and self.placeholders and _device(kwargs) == _META:
@@ -154,6 +165,14 @@ class Replayer:
                     self.diverged = True  # an unknown write: aliases may now hold anything
         self.provenance.record(op, args, out, -1 if index is None else index)
         return out
+
+    def _last(self, op: Op, args: Any, kwargs: Any, run: Run, passed: Passed) -> Any:
+        """Stop at the op after every value is in (`stop_after`): once it has run, if it is
+        the op that saved the last one and writes an argument; before it, if not."""
+        node, self.stop_after = self.stop_after, None
+        if op.mutable and _torch_private.last_node() == node:
+            self.call(op, args, kwargs, run, passed)
+        raise Stop
 
     def _pass(
         self, op: Op, args: Any, kwargs: Any, run: Run, passed: Passed, in_place: bool = False
