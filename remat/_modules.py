@@ -1318,10 +1318,21 @@ def _alias(copy: torch.Tensor, slot: _Slot, name: str, t: torch.Tensor) -> torch
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``t`` holds ``snapshot``'s values (its plain tensor's, under torch.func)."""
     plain = _torch_private.unwrap_all(t)
-    if plain is t:
-        return torch.equal(snapshot, t)
-    with _torch_private.functorch_cleared():
-        return torch.equal(snapshot, plain)
+    with contextlib.nullcontext() if plain is t else _torch_private.functorch_cleared():
+        try:
+            return torch.equal(snapshot, plain)
+        except (RuntimeError, NotImplementedError, AttributeError):  # no kernel for it
+            return _same_bytes(snapshot, plain)
+
+
+def _same_bytes(snapshot: torch.Tensor, t: torch.Tensor) -> bool:
+    """`_equal` where ``torch.equal`` has no kernel: a strided tensor's bytes (complex32,
+    bits8); a sparse, nested or meta tensor by its version alone (only ops, which count
+    versions, write one)."""
+    if t.layout is not torch.strided or t.is_nested or t.is_meta:
+        return True
+    as_bytes = [x.contiguous().view(torch.uint8) for x in (snapshot, t)]
+    return torch.equal(*as_bytes)
 
 
 def _lost(slot: _Slot) -> RecomputeError:

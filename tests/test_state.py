@@ -1509,6 +1509,43 @@ def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(polic
     assert_tree_equal(got, expected)
 
 
+def _other_layout(layout: str) -> torch.Tensor:
+    """An argument that does not require grad, which ``torch.equal`` cannot compare."""
+    dense = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=DTYPE).relu()
+    if layout == "jagged":
+        return torch.nested.nested_tensor([dense[:2], dense[2:]], layout=torch.jagged)
+    if layout == "complex32":
+        return dense.to(torch.complex32)
+    return dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+
+
+_READS = {
+    "sparse_coo": lambda a, x: torch.sparse.mm(a, x.tanh()).sin(),
+    "sparse_csr": lambda a, x: (a.to_dense() @ x.tanh()).sin(),
+    "complex32": lambda a, x: (a.real.to(DTYPE) @ x.tanh()).sin(),
+    "jagged": lambda a, x: (a.values() @ x.tanh()).sin(),
+}
+
+
+@each_policy
+@pytest.mark.parametrize("layout", list(_READS))
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_argument_torch_equal_cannot_compare_is_watched_as_others(policy, layout):
+    """A region's first forward compares each argument that does not require grad with a
+    copy taken at entry (a write no op shows). For a sparse or nested tensor, or complex32,
+    ``torch.equal`` has no kernel: the call crashed (a GCN's sparse adjacency). Now such a
+    tensor is compared by its bytes, or, sparse or nested, by its version."""
+    argument, fn = _other_layout(layout), _READS[layout]
+
+    def grad(wrap: Callable[..., Any]) -> torch.Tensor:
+        x = _batch(0).T.contiguous().requires_grad_()
+        wrap(fn)(argument, x).sum().backward()
+        return x.grad
+
+    assert torch.equal(grad(functools.partial(remat.remat, policy=policy)), grad(lambda f: f))
+
+
 def _hooks_changed(model: nn.Sequential, how: str) -> Callable[[], None]:
     """Change ``model``'s forward hooks as ``how`` says; what undoes it (a global hook)."""
     if how == "replaced":
