@@ -870,6 +870,51 @@ def test_programs_plain_runs_where_remat_raises():
     with pytest.raises(remat.RecomputeError):
         _w_grad(rematerialize(numpy_exp, policy="save_matmuls"))
 
+    def branch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda x, w: x @ w.sin(), lambda x, w: x @ w, (x, w))
+
+    _w_grad(branch)
+    for policy in ("save_nothing", "save_matmuls"):
+        with pytest.raises(NotImplementedError, match="HigherOrderOperator cond"):
+            _w_grad(rematerialize(branch, policy=policy))
+
+    def frozen(wrap: Callable[..., Any]) -> torch.Tensor:
+        linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+        x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4).requires_grad_()
+        out = wrap(linear)(x).tanh().sum()
+        linear.weight.requires_grad_(False)
+        return torch.autograd.grad(out, x)[0]
+
+    frozen(lambda f: f)
+    with pytest.raises(remat.RecomputeError, match="never rebuilt"):
+        frozen(rematerialize)
+    frozen(functools.partial(rematerialize, policy="save_matmuls"))
+
+
+def test_an_optimizer_step_inside_fn_runs_again():
+    """A backward and an optimizer step inside ``fn`` run again in the recompute: other
+    gradients under the default policy, with no error; the per-op policies raise."""
+
+    def grads(wrap: Callable[..., Any]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(3, 3, dtype=torch.float64)
+        optimizer = torch.optim.SGD(linear.parameters(), lr=0.1)
+
+        def adapted(x: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            linear(x.detach()).square().mean().backward()
+            optimizer.step()
+            return linear(x).tanh()
+
+        x = torch.linspace(-1, 1, 6, dtype=torch.float64).view(2, 3).requires_grad_()
+        wrap(adapted)(x).sum().backward()
+        return [x.grad, linear.weight.grad]
+
+    expected = grads(lambda f: f)
+    assert not torch.equal(grads(rematerialize)[0], expected[0]), STALE
+    with pytest.raises(remat.RecomputeError):
+        grads(functools.partial(rematerialize, policy="save_matmuls"))
+
 
 def test_regions_reaching_every_block_with_batch_norm_raise():
     """Two regions, each closing over the list of both blocks and running one: the second
