@@ -532,12 +532,13 @@ def _hook_tables(submodules: list[nn.Module]) -> list[dict[Any, Any]]:
     return tables + list(itertools.chain.from_iterable(map(_HOOK_TABLES, submodules)))
 
 
-def _hooks_moved(hooks: tuple[list[dict[Any, Any]], list[int], list[Any]]) -> list[Any]:
-    """The hook tables (`_hook_tables`) whose hooks are not the forward's, as places holding
-    the forward's: a hook registered, removed or replaced before the backward."""
+def _hooks_moved(hooks: tuple[list[dict[Any, Any]], list[int] | None, list[Any]]) -> list[Any]:
+    """The hook tables (`_hook_tables`) whose hooks are not those the forward left, as places
+    holding those: a hook registered, removed or replaced before the backward."""
     tables, lengths, held = hooks
-    if list(map(len, tables)) == lengths and all(
-        list(table.items()) == list(entry.items()) for table, entry in held
+    if lengths is None or (
+        list(map(len, tables)) == lengths
+        and all(list(table.items()) == list(entry.items()) for table, entry in held)
     ):
         return []  # (the usual: no hook, or the same ones)
     entries = {id(table): entry for table, entry in held}
@@ -810,9 +811,10 @@ class ModuleState:
         # Each submodule's ``__dict__``, and a copy of it at entry: the recompute sees what
         # the forward read where ``fn`` rebinds an attribute (`_rebound`).
         self.attributes: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
-        # The forward hook tables a call of the submodules reads, their lengths, and a copy
-        # of the ones with hooks, at entry: the recompute runs the forward's (`_hooks_moved`).
-        self.hooks: tuple[list[dict[Any, Any]], list[int], list[Any]] = ([], [], [])
+        # The forward hook tables a call of the submodules reads; their lengths, and a copy
+        # of the ones with hooks, as the forward left them (a lazy module's hook removes
+        # itself): the recompute runs those (`_hooks_moved`).
+        self.hooks: tuple[list[dict[Any, Any]], list[int] | None, list[Any]] = ([], None, [])
         # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
         # what the forward read there (a closure variable rebound before the backward).
         self.places: list[tuple[Any, Any, Any]] = []
@@ -858,13 +860,7 @@ class ModuleState:
         submodules, state.held = _submodules(reached.modules)
         own = list(map(vars, submodules))
         state.attributes = own, list(map(dict.copy, own))
-        hooks = _hook_tables(submodules)
-        with_hooks = list(filter(None, hooks))
-        state.hooks = (
-            hooks,
-            list(map(len, hooks)),
-            list(zip(with_hooks, map(dict.copy, with_hooks), strict=True)),
-        )
+        state.hooks = _hook_tables(submodules), None, []
         state.modes = list(zip(submodules, map(_TRAINING, submodules), strict=True))
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
@@ -1031,6 +1027,10 @@ class ModuleState:
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.settled = True
+        hooks = self.hooks[0]
+        with_hooks = list(filter(None, hooks))
+        copies = list(zip(with_hooks, map(dict.copy, with_hooks), strict=True))
+        self.hooks = hooks, list(map(len, hooks)), copies
         slots = self.slots
         tensors = list(map(_TENSOR, slots))  # (native loops: this runs at every call)
         self.ended = list(map(_VERSION, tensors))
