@@ -29,6 +29,7 @@ from ._provenance import (
     VIEW,
     Made,
     Op,
+    Outside,
     Provenance,
     data_start,
     op_info,
@@ -177,7 +178,7 @@ class Keeper:
         self.chains: dict[int, tuple[int, ...]] = {}  # last step -> the chain's ops
         self.chained: dict[int, int] = {}  # op index -> its kept chain's last step
         self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
-        self.outside: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self.outside: dict[int, Outside] = {}
         self.made_outside: list[torch.Tensor] = []  # once the forward finished
         self.provenance: Provenance | None = Provenance(
             unwrapped(inputs), self.outside, forward=True

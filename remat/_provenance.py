@@ -148,6 +148,11 @@ class Made(NamedTuple):
     made_at: int
 
 
+# A tensor from outside the region: (ref, its number, its version and ``requires_grad``
+# when the forward first read it).
+Outside = tuple[weakref.ref[torch.Tensor], int, int, bool]
+
+
 class Provenance:
     """Where the tensors an op reads come from, for signatures (one per forward or recompute)."""
 
@@ -168,7 +173,7 @@ class Provenance:
     def __init__(
         self,
         inputs: list[torch.Tensor],
-        outside: dict[int, tuple[weakref.ref[torch.Tensor], int, int]],
+        outside: dict[int, Outside],
         forward: bool,
         earlier: dict[int, Made] | None = None,
         made_outside: list[torch.Tensor] | None = None,
@@ -181,7 +186,8 @@ class Provenance:
         self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], int]] = {}
         self.inputs = {id(t): (i, t._version) for i, t in enumerate(inputs)}
         # Tensors from outside, shared by a forward and its recomputes: by identity (checked),
-        # each numbered in the order the forward first read it, with its version then. So
+        # each numbered in the order the forward first read it, with its version and
+        # ``requires_grad`` then (an ``autograd.Function`` sets its outputs' later). So
         # signatures do not change from call to call (a program's, `Program`) as parameters
         # step, or `functional_call` passes others.
         self.outside = outside
@@ -227,7 +233,7 @@ class Provenance:
                     return shared
             if not self.forward:
                 return self._twin(t)
-            entry = self.outside[id(t)] = (weakref.ref(t), self.count, t._version)
+            entry = self.outside[id(t)] = (weakref.ref(t), self.count, t._version, t.requires_grad)
             self.count += 1
             self.held.append(t)
         return ("outside", entry[1], t._version - entry[2])
@@ -261,13 +267,13 @@ class Provenance:
         values), still as the forward first read it, if one is not matched yet; else a
         descriptor equal to nothing the forward recorded."""
         for original in self.made_outside:
-            _, number, version = self.outside[id(original)]
+            _, number, version, requires_grad = self.outside[id(original)]
             if (
                 number not in self.twins
                 and original._version == version
                 and type(t) is type(original)
                 and t.device == original.device
-                and t.requires_grad == original.requires_grad
+                and t.requires_grad == requires_grad
                 and t.layout == original.layout == torch.strided
                 and not t._is_zerotensor()
                 and _geometry(t) == _geometry(original)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -226,6 +227,40 @@ def test_a_tensor_made_outside_aten_is_checked_against_its_twin(policy, change):
     out = remat(fn, policy=policy)(x, w)
     with pytest.raises(RecomputeError, match="never rebuilt"):
         out.sum().backward()
+
+
+class _NumpySin(torch.autograd.Function):
+    """Its output is made outside aten, and gets its ``requires_grad`` only as ``apply``
+    returns it: the forward first reads it (``apply``'s own ops) before that."""
+
+    @staticmethod
+    def forward(ctx, a, saves):
+        y = torch.from_numpy(np.sin(a.detach().numpy()))
+        ctx.save_for_backward(*{"input": (a,), "output": (y,), "nothing": ()}[saves])
+        ctx.saves = saves
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.saves == "nothing":
+            return grad, None
+        (saved,) = ctx.saved_tensors
+        cos = saved.cos() if ctx.saves == "input" else (1 - saved * saved).sqrt()
+        return grad * cos, None
+
+
+@pytest.mark.parametrize("saves", ["input", "output", "nothing"])
+@each_policy
+def test_an_autograd_function_through_numpy_matches_plain(policy, saves):
+    def fn(x, w):
+        return _NumpySin.apply((x @ w).tanh(), saves).exp() @ w
+
+    def run(f):
+        x, w = _randn(0, 6, 4), _randn(1, 4, 4)
+        f(x, w).sin().sum().backward()
+        return _grads([x, w])
+
+    assert_tree_equal(run(remat(fn, policy=policy)), run(fn))
 
 
 @each_device
