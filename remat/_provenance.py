@@ -417,10 +417,14 @@ def saved_as(t: torch.Tensor) -> tuple[Any, ...]:
     one value is saved at several levels. Level numbers change when a recompute
     re-creates levels, so only the wrappers' kinds count.
     """
+    try:
+        shape: Any = t.shape
+    except RuntimeError:  # a strided nested tensor: its parts' shapes
+        shape = ("nested", *map(tuple, t._nested_tensor_size().tolist()))
     chain = _torch_private.wrapper_chain(t)
     if not chain:
-        return t.shape, ()
-    return t.shape, tuple((bdim, requires_grad) for _, bdim, requires_grad in chain)
+        return shape, ()
+    return shape, tuple((bdim, requires_grad) for _, bdim, requires_grad in chain)
 
 
 def saved_value(descriptor: Any, t: torch.Tensor) -> Any:

@@ -871,6 +871,28 @@ def test_programs_plain_runs_where_remat_raises():
     frozen(functools.partial(rematerialize, policy="save_matmuls"))
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_a_saved_strided_nested_tensor_raises_as_in_checkpoint():
+    from torch.utils.checkpoint import checkpoint
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        b = a * 2
+        return torch.matmul(b, b.transpose(-1, -2)).relu()  # saves b, a nested tensor
+
+    def grad(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        parts = torch.linspace(-1, 1, 20, dtype=torch.float64).view(5, 4)
+        a = torch.nested.nested_tensor([parts[:2], parts[2:]], requires_grad=True)
+        torch.nested.to_padded_tensor(f(a), 0.0).sum().backward()
+        return a.grad
+
+    grad(fn)
+    with pytest.raises(RuntimeError, match="NestedTensorImpl doesn't support sizes"):
+        grad(functools.partial(checkpoint, fn, use_reentrant=False))
+    for policy in ("save_nothing", "save_matmuls"):
+        with pytest.raises(RuntimeError, match="NestedTensorImpl doesn't support sizes"):
+            grad(rematerialize(fn, policy=policy))
+
+
 def test_an_optimizer_step_inside_fn_runs_again():
     """A backward and an optimizer step inside ``fn`` run again in the recompute: other
     gradients under the default policy, with no error; the per-op policies raise."""
