@@ -1054,9 +1054,11 @@ class ModuleState:
                 updated = not _equal(snapshot, t)
                 if updated:
                     self.snapshots[i] = snapshot
-            elif not updated and snapshot is not None:
-                # Some kernels (batch norm's running statistics) write without a version bump.
-                updated = not _equal(snapshot, t)
+            elif snapshot is not None:
+                # Learned as updated: some kernels (batch norm's running statistics, a fused
+                # observer's) write without a version bump, and may leave the values as they
+                # were. The recompute writes a private copy, as a per-op policy's must.
+                updated = True
             if not updated:
                 self.snapshots.pop(i, None)
                 continue

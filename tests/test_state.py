@@ -288,7 +288,25 @@ class _DataBuffer(nn.Module):
         return (out * self.ema).tanh()
 
 
+class _FakeQuantized(nn.Module):
+    """Quantization-aware training: a fused observer (``_fused_moving_avg_obs_fq_helper``)
+    updates its statistics without a version bump; its input's range is the same at every
+    step, so from the second step on they keep their values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao.quantization import FusedMovingAvgObsFakeQuantize
+
+        self.lin, self.out = nn.Linear(6, 6).to(DTYPE), nn.Linear(6, 2).to(DTYPE)
+        self.quantize = FusedMovingAvgObsFakeQuantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (self.lin(x) * 10).clamp(-1, 1).float()
+        return self.out(self.quantize(h).to(DTYPE)).tanh()
+
+
 UPDATED = {
+    "fused_observer": _FakeQuantized,
     "decayed_parameter": _Decay,
     "embedding_max_norm": _Embedding,
     "momentum_assign_data": lambda: _Momentum("assign_data"),
