@@ -871,6 +871,31 @@ def test_programs_plain_runs_where_remat_raises():
     frozen(functools.partial(rematerialize, policy="save_matmuls"))
 
 
+def test_a_batched_backward_through_random_ops_raises_as_in_checkpoint():
+    from torch.utils.checkpoint import checkpoint
+
+    def jacobian(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 4, dtype=torch.float64).requires_grad_()
+        torch.manual_seed(0)
+        eye = torch.eye(4, dtype=torch.float64)
+        return torch.autograd.grad(f(x), x, eye, is_grads_batched=True)[0]
+
+    def smooth(x: torch.Tensor) -> torch.Tensor:
+        return x.sin().exp()
+
+    def dropped(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x.sin(), 0.5).exp()
+
+    jacobian(dropped)
+    random_in_vmap = "random operations inside of vmap"
+    with pytest.raises(RuntimeError, match=random_in_vmap):
+        jacobian(functools.partial(checkpoint, dropped, use_reentrant=False))
+    for policy in ("save_nothing", "save_matmuls", remat.policies.memory_budget(0.5)):
+        assert torch.equal(jacobian(rematerialize(smooth, policy=policy)), jacobian(smooth))
+        with pytest.raises(RuntimeError, match=random_in_vmap):
+            jacobian(rematerialize(dropped, policy=policy))
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 def test_a_saved_strided_nested_tensor_raises_as_in_checkpoint():
     from torch.utils.checkpoint import checkpoint
