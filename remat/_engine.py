@@ -462,6 +462,7 @@ class Region:
         owner: Any,
         reach: tuple[int, ...],
         call: tuple[tuple[Any, ...], dict[str, Any]],
+        flat: tuple[list[Any], Any],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
         generators: list[torch.Generator],
@@ -471,7 +472,11 @@ class Region:
         namespace: str = "",
     ) -> None:
         self.fn = fn
-        self.call: Any = call
+        self.call: Any = call  # the caller's own arguments, for the forward
+        # What the recompute calls ``fn`` with: the call's leaves in its structure as the call
+        # left them, rebuilt (a list or dict the caller, or ``fn``, changes later is the
+        # caller's). A tensor leaf may be replaced by a stand-in (`_Outer`, `_Weak`).
+        self.leaves, self.structure = flat
         self.namespace = namespace
         self.tensors = inputs
         self.inputs = {id(t): t for t in inputs}
@@ -526,6 +531,7 @@ class Region:
                 with QUIET:  # its comparisons are remat's ops, not the region's
                     setting.modules.settle()
             outer = self.enclosing()
+            self.call = None  # (the caller's: not held)
             if outer is not None:
                 self._hand_over_inputs(outer)
         if self.keeper is not None:
@@ -549,45 +555,40 @@ class Region:
         """Inside another region, hold no input: the outer region saves them for us."""
         pack, unpack = outer.pack, outer.unpack
         slots = {id(t): _Outer(pack, unpack, t) for t in self.tensors}
-        self.call = self.tree_map(
-            lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
-        )
+        self.leaves = _replaced(self.leaves, slots)
         self.tensors, self.inputs, self.versions, self.storages = [], {}, [], []
 
     def hold_inputs_weakly(self) -> None:
         """After this pass's recompute: hold the inputs only while something else does."""
         held = zip(self.tensors, self.versions, self.storages, strict=True)
         slots = {id(t): _Weak(t, v, storage_id(storage)) for t, v, storage in held}
-        self.call = self.tree_map(
-            lambda x: slots.get(id(x), x) if isinstance(x, torch.Tensor) else x, self.call
-        )
+        self.leaves = _replaced(self.leaves, slots)
         self.tensors, self.inputs, self.versions, self.storages = [], {}, [], []
 
     def call_now(self) -> tuple[Any, list[torch.Tensor]]:
-        """The call and its tensor inputs, fetched back if handed over or held weakly."""
-        if self.tensors or not self.inputs_handed_over():
-            return self.call, self.tensors
-        fetched: dict[int, torch.Tensor] = {}
+        """The call a recompute makes, and its tensor inputs, fetched back if handed over or
+        held weakly."""
+        leaves, tensors = self.leaves, self.tensors
+        if not tensors and self.inputs_handed_over():
+            fetched: dict[int, torch.Tensor] = {}
 
-        def fetch(x: Any) -> Any:
-            if not isinstance(x, (_Outer, _Weak)):
-                return x
-            if id(x) not in fetched:  # one tensor passed twice is handed over once
-                fetched[id(x)] = x.get()
-            return fetched[id(x)]
+            def fetch(x: Any) -> Any:
+                if not isinstance(x, (_Outer, _Weak)):
+                    return x
+                if id(x) not in fetched:  # one tensor passed twice is handed over once
+                    fetched[id(x)] = x.get()
+                return fetched[id(x)]
 
-        call = self.tree_map(fetch, self.call)
-        leaves: list[Any] = optree.tree_leaves(call, none_is_leaf=True, namespace=self.namespace)
-        return call, [t for t in leaves if isinstance(t, torch.Tensor)]
+            leaves = list(map(fetch, leaves))
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        return optree.tree_unflatten(self.structure, leaves), tensors
 
     def inputs_handed_over(self) -> bool:
-        leaves: list[Any] = optree.tree_leaves(
-            self.call, none_is_leaf=True, namespace=self.namespace
-        )
-        return any(isinstance(x, (_Outer, _Weak)) for x in leaves)
+        return any(isinstance(x, (_Outer, _Weak)) for x in self.leaves)
 
     def paths(self) -> list[str]:
-        return _introspect.input_paths(self.fn, self.call, (torch.Tensor, _Outer), self.namespace)
+        call = optree.tree_unflatten(self.structure, self.leaves)
+        return _introspect.input_paths(self.fn, call, (torch.Tensor, _Outer), self.namespace)
 
     def _report(self, found: _introspect.Collector) -> None:
         """Tell `saved_residuals` what this region holds after its forward."""
@@ -854,6 +855,11 @@ for _name, _type in (("remat::unpack", _Handle), ("remat::unpack_kept", _Kept)):
     ).register_fake(_unpacked_like)
 
 
+def _replaced(leaves: list[Any], slots: dict[int, Any]) -> list[Any]:
+    """The tensors among ``leaves`` replaced by their stand-ins in ``slots``, by identity."""
+    return [slots.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
 def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:
     alive = unpack()
     if alive is not None:
@@ -1063,9 +1069,7 @@ class _RecomputePack:
         again: the forward's had the input's producer then."""
         if t.grad_fn is not None or not _same(_meta(t), forward, False):
             return False
-        leaves: list[Any] = optree.tree_leaves(
-            self.region.call, none_is_leaf=True, namespace=self.region.namespace
-        )
+        leaves = self.region.leaves
         originals = [x for x in leaves if isinstance(x, (torch.Tensor, _Outer, _Weak))]
         for original, given in zip(originals, self.inputs, strict=True):
             if (

@@ -157,6 +157,7 @@ def remat(
             owner,
             tuple(map(id, reached.modules)),
             (args, kwargs),
+            (leaves, structure),
             inputs,
             modules,
             generators,

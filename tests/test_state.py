@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -1566,6 +1567,80 @@ def test_argument_torch_equal_cannot_compare_is_watched_as_others(policy, layout
         return x.grad
 
     assert torch.equal(grad(functools.partial(remat.remat, policy=policy)), grad(lambda f: f))
+
+
+# Containers passed to ``fn`` and changed after its forward: the recompute gets them as the
+# call left them (its leaves, rebuilt in its structure), as the forward read them.
+
+
+def _list_appended(f: Callable[..., Any], w: torch.Tensor) -> Any:
+    """A recurrent cell reading the last state of a list the caller appends to."""
+    hs = [torch.tanh(_batch(0) @ w)]
+    for _ in range(3):
+        hs.append(f(lambda hs, w: torch.tanh(hs[-1] @ w), hs, w))
+    return hs[-1]
+
+
+def _dict_reused(f: Callable[..., Any], w: torch.Tensor) -> Any:
+    """Gradient accumulation with one input dict, refilled for each micro-batch."""
+    batch: dict[str, Any] = {}
+    outs = []
+    for step in range(3):
+        batch["x"], batch["scale"] = _batch(step), 1.0 + step
+        outs.append(f(lambda b, w: torch.tanh(b["x"] @ w) * b["scale"], batch, w))
+    return torch.stack(outs)
+
+
+def _generator_rebound(f: Callable[..., Any], w: torch.Tensor) -> Any:
+    """A generator reached through a dict argument, rebound to another before the backward."""
+    options = {"generator": torch.Generator().manual_seed(3)}
+
+    def block(x: torch.Tensor, w: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+        mask = torch.rand(8, 6, generator=options["generator"], dtype=DTYPE) > 0.5
+        return torch.tanh((x @ w) * mask) @ w
+
+    out = f(block, _batch(0), w, options)
+    options["generator"] = torch.Generator().manual_seed(1234)
+    return out
+
+
+def _counter_in_an_argument(f: Callable[..., Any], w: torch.Tensor) -> Any:
+    """A warm-up counter ``fn`` keeps in a dict argument: advanced once per call."""
+    state = {"step": 0}
+
+    def block(x: torch.Tensor, w: torch.Tensor, state: dict[str, int]) -> torch.Tensor:
+        state["step"] += 1
+        return torch.tanh(x @ w) * min(1.0, state["step"] / 4)
+
+    outs = [f(block, _batch(step), w, state) for step in range(3)]
+    return torch.stack(outs), state
+
+
+ARGUMENTS_CHANGED = {
+    "list_appended": _list_appended,
+    "dict_reused": _dict_reused,
+    "generator_rebound": _generator_rebound,
+    "counter_in_an_argument": _counter_in_an_argument,
+}
+
+
+@pytest.mark.parametrize("case", ARGUMENTS_CHANGED)
+@each_policy
+def test_containers_passed_to_fn_and_changed_after_the_forward(policy, case):
+    """The recompute read the caller's list or dict as it was at the backward: a later
+    state, another micro-batch, another generator, a counter advanced twice (plain's
+    gradients under the default policy but off, with no error; a false alarm under the per-op
+    policies). It now calls ``fn`` with the call's leaves, rebuilt in the call's structure."""
+
+    def run(call: Callable[..., Any]) -> Any:
+        w = torch.randn(6, 6, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+        w.requires_grad_()
+        out = ARGUMENTS_CHANGED[case](call, w)
+        optree.tree_leaves(out)[0].sin().sum().backward()
+        return out, w.grad
+
+    expected = run(lambda fn, *args: fn(*args))
+    assert_tree_equal(run(lambda fn, *args: remat.remat(fn, policy=policy)(*args)), expected)
 
 
 def _hooks_changed(model: nn.Sequential, how: str) -> Callable[[], None]:

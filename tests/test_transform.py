@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import operator
 import types
 
 import pytest
@@ -206,7 +207,8 @@ def test_keyword_arguments_and_nested_tensors(regions):
 
 
 def test_non_tensor_leaves_pass_through_as_same_objects():
-    """Non-tensor leaves reach ``fn`` (forward and recompute) and the output as themselves."""
+    """Non-tensor leaves reach ``fn`` (forward and recompute) and the output as themselves;
+    the containers holding them, in the recompute, rebuilt (equal, of the same type)."""
     marker, label, items = object(), "tag", (1, 2.5, None)
     seen = []
 
@@ -223,7 +225,9 @@ def test_non_tensor_leaves_pass_through_as_same_objects():
     for seen_marker, seen_label, seen_extra in seen:
         assert seen_marker is marker
         assert seen_label is label
-        assert seen_extra is items
+        assert seen_extra == items
+        assert all(map(operator.is_, seen_extra, items))
+    assert seen[0][2] is items  # the forward's: the caller's own
 
 
 @pytest.mark.parametrize("fn", [42, "fn", torch.ones(2)], ids=["int", "str", "tensor"])
