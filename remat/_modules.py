@@ -21,8 +21,8 @@ plain tensor attribute slot, the tensor it held at entry.
   the forward, or between the forward and the backward, they raise. Rebound where
   ``fn`` finds them (`Reached.places`), the recompute gets the forward's back.
 - Python state the forward changes and reads back: each submodule's own attributes
-  (rebound, added or deleted: `_rebound`), the lists, dicts and deques among them
-  (`_contents`), and what closure cells and named globals hold (`_names_read`: an int,
+  (rebound, added or deleted: `_rebound`), the lists, dicts and deques among them and
+  within those (`_contents`), and what closure cells and named globals hold (`_names_read`: an int,
   a flag, a function) show the recompute what they held at the forward's entry, and what
   the recompute writes there is undone.
 - The recompute of a watched forward refuses writes to memory from before it other
@@ -1224,14 +1224,20 @@ _CONTAINERS = (list, dict, collections.deque)
 
 def _contents(tables: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:
     """The lists, dicts and deques that modules hold as their own attributes (not
-    nn.Module's tables), each with its contents now, as places (`_places`): the recompute
-    sees what the forward read from one that ``fn`` appends to."""
-    return [
-        (value, _CONTENTS, _get(value, _CONTENTS))
-        for table in tables
-        for name in table.keys() - _MODULE_OWN
-        if type(value := table[name]) in _CONTAINERS
-    ]
+    nn.Module's tables), and those they hold at any depth, each with its contents now, as
+    places (`_places`): the recompute sees what the forward read from one that ``fn``
+    appends to, or that the caller changes before the backward (``cfg["attn"]["t"]``)."""
+    places = []
+    seen: set[int] = set()
+    held = [table[name] for table in tables for name in table.keys() - _MODULE_OWN]
+    while held:
+        value = held.pop()
+        if type(value) in _CONTAINERS and id(value) not in seen:
+            seen.add(id(value))
+            contents = _get(value, _CONTENTS)
+            places.append((value, _CONTENTS, contents))
+            held += contents.values() if type(contents) is dict else contents
+    return places
 
 
 def _items(tables: list[dict[str, Any]]) -> tuple[list[str], list[int]]:

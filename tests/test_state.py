@@ -1454,6 +1454,7 @@ class _Stateful(nn.Module):
         self.count, self.scale, self.first = 0, 1.0, True
         self.history: list[torch.Tensor] = []
         self.cache: dict[str, torch.Tensor] = {}
+        self.nested: dict[str, dict[str, torch.Tensor]] = {"attention": {}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global STEPS
@@ -1476,6 +1477,9 @@ class _Stateful(nn.Module):
         elif how == "dict entry set":
             factor = self.cache.get("mean", 1)
             self.cache["mean"] = h.detach().mean(0)
+        elif how == "nested dict entry set":
+            factor = self.nested["attention"].get("mean", 1)
+            self.nested["attention"]["mean"] = h.detach().mean(0)
         elif how == "global counter":
             STEPS += 1
             factor = STEPS
@@ -1488,7 +1492,7 @@ class _Stateful(nn.Module):
 
 PYTHON_STATE = [
     "None, then a tensor", "int", "float", "bool", "list appended", "dict entry set",
-    "global counter", "global tensor", "submodule's int",
+    "nested dict entry set", "global counter", "global tensor", "submodule's int",
 ]  # fmt: skip
 
 
@@ -1497,9 +1501,9 @@ PYTHON_STATE = [
 @each_policy
 def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(policy, wrap, how):
     """Python state the forward reads and then changes (a module attribute rebound, a list
-    it appends to, a dict entry it sets, a counter in a closure or a global), or that the
-    caller rebinds between the forward and the backward (a global tensor the module's own
-    forward names): the recompute reads what the forward read, and the state ends as
+    it appends to, a dict entry it sets, at any depth, a counter in a closure or a global),
+    or that the caller rebinds between the forward and the backward (a global tensor the
+    module's own forward names): the recompute reads what the forward read, and the state ends as
     plain's (a function's closure counter: the test below). Before, the default policy
     gave other gradients with no error (as torch.utils.checkpoint does), and the per-op
     policies raised `RecomputeError`."""
@@ -1516,7 +1520,8 @@ def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(polic
             out.sum().backward()
             results += [out.detach(), x.grad, model.linear.weight.grad]
         counts = [model.count, model.scale, model.first, model.child.calls, STEPS]
-        return [*results, model.last, model.history, model.cache, torch.tensor(counts)]
+        state = [model.last, model.history, model.cache, model.nested]
+        return [*results, *state, torch.tensor(counts)]
 
     plain = _Stateful(how)
     expected = train(plain, plain)
