@@ -886,9 +886,12 @@ def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
         if replayer is not None and replayer.restart:  # ``fn`` caught `Restart`
             raise Restart
         stopped = pack.stopped or not pack.remaining
+        skipped = replayer is not None and bool(replayer.placeholders)
     pack.check_versions()  # (outside the recompute's modes, which would see each read)
     if stopped:
         return pack.values  # (detached as the recompute ended: `_RecomputePack.finish`)
+    if skipped:  # ``fn`` may have read a skipped value where no op shows (its ``.device``)
+        raise Restart
     missing = min(needed - pack.values.keys())
     raise RecomputeError(
         f"`remat`: the recompute rebuilt {len(pack.values)} of the {len(needed)} values "

@@ -871,6 +871,22 @@ def test_programs_plain_runs_where_remat_raises():
     frozen(functools.partial(rematerialize, policy="save_matmuls"))
 
 
+def test_a_skipped_value_stored_where_remat_does_not_look_is_a_placeholder():
+    log: list[torch.Tensor] = []
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        log.append(x.pow(2).mean())  # a list in a closure: written again by the recompute
+        return (x @ w).tanh()
+
+    w = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4).requires_grad_()
+    x = torch.linspace(0, 1, 12, dtype=torch.float64).view(3, 4)
+    rematerialize(fn, policy="save_matmuls")(x, w).sum().backward()
+    assert [t.device.type for t in log] == ["cpu", "meta"]
+    log.clear()
+    rematerialize(fn)(x, w).sum().backward()
+    assert [t.device.type for t in log] == ["cpu", "cpu"]
+
+
 def test_a_batched_backward_through_random_ops_raises_as_in_checkpoint():
     from torch.utils.checkpoint import checkpoint
 

@@ -263,6 +263,29 @@ def test_an_autograd_function_through_numpy_matches_plain(policy, saves):
     assert_tree_equal(run(remat(fn, policy=policy)), run(fn))
 
 
+@each_policy
+def test_a_branch_on_a_skipped_values_device_matches_plain(policy):
+    """A per-op policy's recompute hands ``fn`` a value nothing needs as a ``meta``
+    placeholder; ``fn`` branching on its ``.device`` took the other branch, and the
+    recompute raised ("never rebuilt"). A recompute that skipped values and did not rebuild
+    every value now runs again without skipping."""
+
+    def fn(x, w):
+        stats = x.pow(2).mean(-1, keepdim=True)  # returned for logging: no backward needs it
+        h = x @ w
+        if stats.device.type == "cpu":
+            h = h * 0.5
+        return (h.tanh() @ w, stats)
+
+    def run(f):
+        x, w = _randn(0, 4, 6), _randn(1, 6, 6)
+        out, stats = f(x, w)
+        out.sum().backward()
+        return out, stats, _grads([x, w])
+
+    assert_tree_equal(run(remat(fn, policy=policy)), run(fn))
+
+
 @each_device
 def test_device_of_a_skipped_value_does_not_restart_the_recompute(device):
     """A skipped value is a meta placeholder: a factory call on its ``.device`` runs on the
