@@ -631,9 +631,12 @@ class Keeper:
                 self.skip = self._needed()[1]
 
     def stop_skipping(self) -> None:
-        """A skipped value was read: from now on the recompute runs every op it reaches."""
+        """A skipped value was read, or an op that did not match would have written a kept
+        chain's memory: from now on the recompute runs every op it reaches, and each op of a
+        kept chain (whose first op would lend it the kept value's memory)."""
         self.skips = False
         self.skip = {}
+        self.chained = {}
 
     def _needed(self) -> tuple[frozenset[int], dict[int, Any]]:
         """Ops the recompute must run: backwards from rebuilt values, stopping at kept ones;

@@ -25,6 +25,7 @@ from ._provenance import (
     Op,
     Provenance,
     arg_tensors,
+    data_start,
     output_tensors,
     saved_value,
     unwrapped,
@@ -61,6 +62,7 @@ class Replayer:
         "handles",
         "keeper",
         "last",
+        "lent",
         "placeholders",
         "provenance",
         "restart",
@@ -90,6 +92,9 @@ class Replayer:
         self.last: Any = None
         # Memory that unmatched ops made: no matched op reads it. id -> storage ref.
         self.fresh: dict[int, weakref.ref[Any]] = {}
+        # Where the kept values lent to a kept chain's first op lie (`Keeper.chain_value`):
+        # the chain's steps write them as the forward did; an op that did not match must not.
+        self.lent: set[int | None] = set()
 
     def call(self, op: Op, args: Any, kwargs: Any, run: Run, passed: Passed) -> Any:
         """One op of the recompute: its kept value, a placeholder, or what ``run`` returns.
@@ -126,6 +131,7 @@ class Replayer:
         if end is not None and end in keeper.kept and keeper.replayable(end):
             if index == keeper.chains[end][0]:
                 out = keeper.chain_value(end)
+                self.lent.add(data_start(out))
             else:
                 out = args[0]
                 if op.random:
@@ -149,6 +155,11 @@ class Replayer:
             out = args[0].detach()
             self.placeholders[id(out)] = (out, self.placeholders[id(args[0])][1])
         else:
+            if index is None and op.mutable and self.lent and self._writes_lent(op, args, kwargs):
+                # It would write a kept value (its own version counter does not show it):
+                # run again without replaying chains.
+                self.restart = True
+                raise Restart
             if self.placeholders and self._reads_placeholder((args, kwargs)):
                 if op.kind != READS_METADATA:
                     self.restart = True
@@ -165,6 +176,9 @@ class Replayer:
                     self.diverged = True  # an unknown write: aliases may now hold anything
         self.provenance.record(op, args, out, -1 if index is None else index)
         return out
+
+    def _writes_lent(self, op: Op, args: Any, kwargs: Any) -> bool:
+        return any(data_start(t) in self.lent for t in written(op, args, kwargs))
 
     def _last(self, op: Op, args: Any, kwargs: Any, run: Run, passed: Passed) -> Any:
         """Stop at the op after every value is in (`stop_after`): once it has run, if it is

@@ -263,27 +263,49 @@ def test_an_autograd_function_through_numpy_matches_plain(policy, saves):
     assert_tree_equal(run(remat(fn, policy=policy)), run(fn))
 
 
-@each_policy
-def test_a_branch_on_a_skipped_values_device_matches_plain(policy):
-    """A per-op policy's recompute hands ``fn`` a value nothing needs as a ``meta``
-    placeholder; ``fn`` branching on its ``.device`` took the other branch, and the
-    recompute raised ("never rebuilt"). A recompute that skipped values and did not rebuild
-    every value now runs again without skipping."""
+def _branch_on_a_skipped_value(then):
+    """``fn`` branching on the ``.device`` of a value no backward needs (a statistic
+    returned for logging), which a per-op policy's recompute skips: a ``meta`` placeholder."""
 
     def fn(x, w):
-        stats = x.pow(2).mean(-1, keepdim=True)  # returned for logging: no backward needs it
+        stats = x.pow(2).mean(-1, keepdim=True)
         h = x @ w
-        if stats.device.type == "cpu":
-            h = h * 0.5
+        on_cpu = stats.device.type == "cpu"
+        if then == "scale":
+            h = h * (0.5 if on_cpu else 1.0)
+        else:
+            h = F.dropout(h, 0.3 if on_cpu else 0.6)
         return (h.tanh() @ w, stats)
 
-    def run(f):
-        x, w = _randn(0, 4, 6), _randn(1, 6, 6)
-        out, stats = f(x, w)
-        out.sum().backward()
-        return out, stats, _grads([x, w])
+    return fn
 
-    assert_tree_equal(run(remat(fn, policy=policy)), run(fn))
+
+def _run_branch(f):
+    x, w = _randn(0, 4, 6), _randn(1, 6, 6)
+    torch.manual_seed(0)
+    out, stats = f(x, w)
+    out.sum().backward()
+    return out, stats, _grads([x, w])
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_a_branch_on_a_skipped_values_device_matches_plain(policy):
+    """The other branch raised ("never rebuilt"). A recompute that skipped values and did
+    not rebuild every value now runs again without skipping."""
+    fn = _branch_on_a_skipped_value("scale")
+    assert_tree_equal(_run_branch(remat(fn, policy=policy)), _run_branch(fn))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
+def test_an_op_that_did_not_match_never_writes_a_kept_value(fraction):
+    """``memory_budget`` keeps the dropout mask, a chain (``empty_like``, ``bernoulli_``,
+    ``div_``) whose first op the recompute lends the kept memory. The other branch's dropout
+    (another ``p``) did not match, and drew into it; the run after it, without skipping,
+    read the overwritten mask: other gradients, with no error. It now runs again before
+    such a write, without lending kept memory."""
+    fn = _branch_on_a_skipped_value("dropout")
+    got = _run_branch(remat(fn, policy=policies.memory_budget(fraction)))
+    assert_tree_equal(got, _run_branch(fn))
 
 
 @each_device
