@@ -1220,23 +1220,29 @@ _ABSENT = object()
 # `modes` show the recompute what they held).
 _MODULE_OWN = frozenset(vars(nn.Module()))
 _CONTAINERS = (list, dict, collections.deque)
+_NESTING = (*_CONTAINERS, tuple)
 
 
 def _contents(tables: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:
-    """The lists, dicts and deques that modules hold as their own attributes (not
-    nn.Module's tables), and those they hold at any depth, each with its contents now, as
-    places (`_places`): the recompute sees what the forward read from one that ``fn``
-    appends to, or that the caller changes before the backward (``cfg["attn"]["t"]``)."""
+    """The lists, dicts and deques (and their subclasses: an ``OrderedDict``, a
+    ``defaultdict``) that modules hold as their own attributes (not nn.Module's tables), and
+    those they hold at any depth, also inside tuples, each with its contents now, as places
+    (`_places`): the recompute sees what the forward read from one that ``fn`` appends to,
+    or that the caller changes before the backward (``cfg["attn"]["t"]``)."""
     places = []
     seen: set[int] = set()
     held = [table[name] for table in tables for name in table.keys() - _MODULE_OWN]
     while held:
         value = held.pop()
-        if type(value) in _CONTAINERS and id(value) not in seen:
-            seen.add(id(value))
-            contents = _get(value, _CONTENTS)
-            places.append((value, _CONTENTS, contents))
-            held += contents.values() if type(contents) is dict else contents
+        if not isinstance(value, _NESTING) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, tuple):  # (immutable: only what it holds)
+            held += value
+            continue
+        contents = _get(value, _CONTENTS)
+        places.append((value, _CONTENTS, contents))
+        held += contents.values() if isinstance(contents, dict) else contents
     return places
 
 

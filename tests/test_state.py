@@ -1455,6 +1455,8 @@ class _Stateful(nn.Module):
         self.history: list[torch.Tensor] = []
         self.cache: dict[str, torch.Tensor] = {}
         self.nested: dict[str, dict[str, torch.Tensor]] = {"attention": {}}
+        self.ordered: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self.pair: tuple[list[torch.Tensor], int] = ([], 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global STEPS
@@ -1480,6 +1482,12 @@ class _Stateful(nn.Module):
         elif how == "nested dict entry set":
             factor = self.nested["attention"].get("mean", 1)
             self.nested["attention"]["mean"] = h.detach().mean(0)
+        elif how == "OrderedDict entry set":
+            factor = self.ordered.get("mean", 1)
+            self.ordered["mean"] = h.detach().mean(0)
+        elif how == "list in a tuple appended":
+            factor = self.pair[0][-1] if self.pair[0] else 1
+            self.pair[0].append(h.detach().mean())
         elif how == "global counter":
             STEPS += 1
             factor = STEPS
@@ -1492,7 +1500,8 @@ class _Stateful(nn.Module):
 
 PYTHON_STATE = [
     "None, then a tensor", "int", "float", "bool", "list appended", "dict entry set",
-    "nested dict entry set", "global counter", "global tensor", "submodule's int",
+    "nested dict entry set", "OrderedDict entry set", "list in a tuple appended",
+    "global counter", "global tensor", "submodule's int",
 ]  # fmt: skip
 
 
@@ -1520,7 +1529,8 @@ def test_python_state_the_forward_changes_is_the_forwards_in_the_recompute(polic
             out.sum().backward()
             results += [out.detach(), x.grad, model.linear.weight.grad]
         counts = [model.count, model.scale, model.first, model.child.calls, STEPS]
-        state = [model.last, model.history, model.cache, model.nested]
+        state = [model.last, model.history, model.cache, model.nested, model.ordered]
+        state.append(model.pair[0])
         return [*results, *state, torch.tensor(counts)]
 
     plain = _Stateful(how)
