@@ -887,6 +887,27 @@ def test_a_skipped_value_stored_where_remat_does_not_look_is_a_placeholder():
     assert [t.device.type for t in log] == ["cpu", "cpu"]
 
 
+def test_a_container_passed_twice_is_two_in_the_recompute():
+    seen: list[bool] = []
+
+    def fn(x: torch.Tensor, first: list[float], second: list[float]) -> torch.Tensor:
+        seen.append(first is second)
+        return (x * (2.0 if first is second else 3.0)).sin().exp()
+
+    def grad(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 4, dtype=torch.float64).requires_grad_()
+        shared = [1.0]
+        f(x, shared, shared).sum().backward()
+        return x.grad
+
+    expected = grad(fn)
+    seen.clear()
+    assert not torch.equal(grad(rematerialize(fn)), expected)
+    assert seen == [True, False]
+    with pytest.raises(remat.RecomputeError):
+        grad(rematerialize(fn, policy="save_matmuls"))
+
+
 def test_a_batched_backward_through_random_ops_raises_as_in_checkpoint():
     from torch.utils.checkpoint import checkpoint
 
