@@ -813,7 +813,9 @@ class ModuleState:
         self.attributes: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
         # The forward hook tables a call of the submodules reads; their lengths, and a copy
         # of the ones with hooks, as the forward left them (a lazy module's hook removes
-        # itself): the recompute runs those (`_hooks_moved`).
+        # itself) without those it added (``fn`` registers them again, behind a flag it sees
+        # unset): the recompute runs those (`_hooks_moved`). Until the forward ends, the
+        # hooks each table held at entry, by handle id.
         self.hooks: tuple[list[dict[Any, Any]], list[int] | None, list[Any]] = ([], None, [])
         # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
         # what the forward read there (a closure variable rebound before the backward).
@@ -860,7 +862,8 @@ class ModuleState:
         submodules, state.held = _submodules(reached.modules)
         own = list(map(vars, submodules))
         state.attributes = own, list(map(dict.copy, own))
-        state.hooks = _hook_tables(submodules), None, []
+        tables = _hook_tables(submodules)
+        state.hooks = tables, None, [(table, set(table)) for table in filter(None, tables)]
         state.modes = list(zip(submodules, map(_TRAINING, submodules), strict=True))
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
@@ -1027,9 +1030,14 @@ class ModuleState:
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.settled = True
-        hooks = self.hooks[0]
+        hooks, _, began = self.hooks
         with_hooks = list(filter(None, hooks))
         copies = list(zip(with_hooks, map(dict.copy, with_hooks), strict=True))
+        if began or copies:
+            at_entry = {id(table): keys for table, keys in began}
+            for table, copy in copies:
+                for key in copy.keys() - at_entry.get(id(table), set()):
+                    del copy[key]  # registered by this forward
         self.hooks = hooks, list(map(len, hooks)), copies
         slots = self.slots
         tensors = list(map(_TENSOR, slots))  # (native loops: this runs at every call)

@@ -1658,6 +1658,42 @@ def test_containers_passed_to_fn_and_changed_after_the_forward(policy, case):
     assert_tree_equal(run(lambda fn, *args: remat.remat(fn, policy=policy)(*args)), expected)
 
 
+class _HookedOnce(nn.Module):
+    """A forward that registers a hook on a submodule on its first call, behind a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.registered = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.registered:
+            self.linear.register_forward_hook(lambda module, args, out: out * 2)
+            self.registered = True
+        return self.linear(x).tanh() * x
+
+
+@each_policy
+def test_a_hook_the_forward_registers_once_runs_once(policy):
+    """The recompute saw the flag as the forward began (unset), and the hook tables as the
+    forward left them (with the hook): it registered the hook again, and ran it twice
+    (other gradients with no error under the default policy; two hooks left). The recompute
+    now runs the hooks the forward left without those the forward registered."""
+
+    def train(model: _HookedOnce, region: Callable[..., Any]) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            region(x).sum().backward()
+            results += [x.grad, model.linear.weight.grad]
+        return [*results, len(model.linear._forward_hooks)]
+
+    plain = _HookedOnce()
+    model = _HookedOnce()
+    assert_tree_equal(train(model, remat.remat(model, policy=policy)), train(plain, plain))
+
+
 def _hooks_changed(model: nn.Sequential, how: str) -> Callable[[], None]:
     """Change ``model``'s forward hooks as ``how`` says; what undoes it (a global hook)."""
     if how == "replaced":
