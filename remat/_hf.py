@@ -19,10 +19,11 @@ class _WhileRecording:
     """The value `apply` gives Hugging Face's ``gradient_checkpointing`` flags: true only
     while autograd records.
 
-    Hugging Face reads the flag with ``self.training`` alone, so a model in training mode
-    would drop the KV cache under ``torch.no_grad()`` too, and ``generate()`` would lose
-    its context (GPT-2's model passes its blocks no cache, and each layer drops the one it
-    gets). Without autograd there is nothing to recompute, and the cache is kept.
+    Hugging Face reads the flag with ``self.training`` alone (its layers up to transformers
+    5.23; GPT-2's model in every version), so a model in training mode would drop the KV
+    cache under ``torch.no_grad()`` too, and ``generate()`` would lose its context (GPT-2's
+    model passes its blocks no cache, and each layer drops the one it gets). Without
+    autograd there is nothing to recompute, and the cache is kept.
     """
 
     __slots__ = ()
