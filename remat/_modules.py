@@ -22,9 +22,9 @@ plain tensor attribute slot, the tensor it held at entry.
   ``fn`` finds them (`Reached.places`), the recompute gets the forward's back.
 - Python state the forward changes and reads back: each submodule's own attributes
   (rebound, added or deleted: `_rebound`), the lists, dicts and deques among them and
-  within those (`_contents`), and what closure cells and named globals hold (`_names_read`: an int,
-  a flag, a function) show the recompute what they held at the forward's entry, and what
-  the recompute writes there is undone.
+  within those (`_contents`), and what closure cells and named globals hold
+  (`_names_read`: an int, a flag, a function) show the recompute what they held at the
+  forward's entry, and what the recompute writes there is undone.
 - The recompute of a watched forward refuses writes to memory from before it other
   than the private copies (`WriteGuard`): state held where remat does not look.
 - A slot whose tensor the forward itself replaced (a module assigning a new
