@@ -462,7 +462,7 @@ class Region:
         owner: Any,
         reach: tuple[int, ...],
         call: tuple[tuple[Any, ...], dict[str, Any]],
-        flat: tuple[list[Any], Any],
+        flat: tuple[list[Any], Any, _Shared | None],
         inputs: list[torch.Tensor],
         modules: ModuleState | None,
         generators: list[torch.Generator],
@@ -475,8 +475,9 @@ class Region:
         self.call: Any = call  # the caller's own arguments, for the forward
         # What the recompute calls ``fn`` with: the call's leaves in its structure as the call
         # left them, rebuilt (a list or dict the caller, or ``fn``, changes later is the
-        # caller's). A tensor leaf may be replaced by a stand-in (`_Outer`, `_Weak`).
-        self.leaves, self.structure = flat
+        # caller's; one passed twice is one). A tensor leaf may be replaced by a stand-in
+        # (`_Outer`, `_Weak`).
+        self.leaves, self.structure, self.shared = flat
         self.namespace = namespace
         self.tensors = inputs
         self.inputs = {id(t): t for t in inputs}
@@ -581,6 +582,8 @@ class Region:
 
             leaves = list(map(fetch, leaves))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if self.shared is not None:
+            return self.shared.build(leaves), tensors
         return optree.tree_unflatten(self.structure, leaves), tensors
 
     def inputs_handed_over(self) -> bool:
@@ -853,6 +856,63 @@ for _name, _type in (("remat::unpack", _Handle), ("remat::unpack_kept", _Kept)):
         mutates_args=(),
         schema=f"({_type.__module__}.{_type.__qualname__} packed) -> Tensor",
     ).register_fake(_unpacked_like)
+
+
+def flatten_call(call: Any, namespace: str) -> tuple[list[Any], Any, _Shared | None]:
+    """The call's leaves and tree structure, and a `_Shared` if one container is in it twice."""
+    nodes: list[int] = []
+
+    def note(node: Any) -> bool:
+        if not isinstance(node, _ATOMS):  # (a tensor passed twice is one leaf twice)
+            nodes.append(id(node))
+        return False
+
+    leaves, structure = optree.tree_flatten(call, note, none_is_leaf=True, namespace=namespace)
+    shared = _Shared(call, namespace) if len(set(nodes)) < len(nodes) else None
+    return leaves, structure, shared
+
+
+_ATOMS = (torch.Tensor, int, float, str, type(None))
+
+
+class _Shared:
+    """Rebuilds a call from its leaves with its containers' identities: a list passed twice
+    is one list, as in the forward (`optree.tree_unflatten` would make two)."""
+
+    def __init__(self, call: Any, namespace: str) -> None:
+        self.namespace = namespace
+        self.count = 0  # leaves walked, in `optree.tree_flatten`'s order
+        self.plan = self._walk(call, {})
+
+    def _walk(self, node: Any, seen: dict[int, int]) -> Any:
+        """A leaf's index; ``(key,)`` for a container seen before; or ``(key, unflatten,
+        metadata, children)``."""
+        ns = self.namespace
+        if optree.tree_is_leaf(node, none_is_leaf=True, namespace=ns):
+            self.count += 1
+            return self.count - 1
+        if id(node) in seen:  # its leaves are in the flat list again: skip them
+            self.count += len(optree.tree_leaves(node, none_is_leaf=True, namespace=ns))
+            return (seen[id(node)],)
+        key = seen[id(node)] = len(seen)
+        children, metadata, _, unflatten = optree.tree_flatten_one_level(
+            node, none_is_leaf=True, namespace=ns
+        )
+        return (key, unflatten, metadata, [self._walk(child, seen) for child in children])
+
+    def build(self, leaves: list[Any]) -> Any:
+        made: dict[int, Any] = {}
+
+        def make(plan: Any) -> Any:
+            if isinstance(plan, int):
+                return leaves[plan]
+            if len(plan) == 1:
+                return made[plan[0]]
+            key, unflatten, metadata, children = plan
+            made[key] = node = unflatten(metadata, [make(child) for child in children])
+            return node
+
+        return make(self.plan)
 
 
 def _replaced(leaves: list[Any], slots: dict[int, Any]) -> list[Any]:

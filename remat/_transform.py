@@ -11,7 +11,7 @@ import torch
 
 from . import _hf, _torch_private
 from ._compiled import refuse_budget, traced
-from ._engine import Region, running_region
+from ._engine import Region, flatten_call, running_region
 from ._modules import ModuleState, owner_of, reachable
 from ._policies import OpCall, Policy, resolve
 
@@ -136,12 +136,7 @@ def remat(
             return traced(fn, args, kwargs, resolved, preserve_rng)
         if resolved.budget is not None and resolved.per_op and _torch_private.compile_callback():
             torch.compiler.disable(refuse_budget)(resolved)
-        leaves: list[Any]
-        leaves, structure = optree.tree_flatten(
-            (args, kwargs),  # type: ignore[arg-type]
-            none_is_leaf=True,
-            namespace=namespace,
-        )
+        leaves, structure, shared = flatten_call((args, kwargs), namespace)
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         reached = reachable(fn, leaves)
         owner = owner_of(fn, args[0] if args else None)
@@ -157,7 +152,7 @@ def remat(
             owner,
             tuple(map(id, reached.modules)),
             (args, kwargs),
-            (leaves, structure),
+            (leaves, structure, shared),
             inputs,
             modules,
             generators,

@@ -1,12 +1,16 @@
 """The decorator surface of `remat`: forms, metadata, methods, pytrees, call-site errors."""
 
+import collections
 import functools
 import inspect
 import operator
 import types
 
+import optree
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -331,3 +335,57 @@ def test_save_everything_is_plain_fn(policy, no_regions):
     _assert_same((out, grads), _grads(_block, *_inputs()))
     assert out.grad_fn.name() == "SinBackward0"
     assert len(calls) == 1
+
+
+_Point = collections.namedtuple("_Point", ["x", "y"])
+_CONTAINERS = (
+    list,
+    tuple,
+    lambda c: dict(zip("bca", c, strict=False)),
+    lambda c: collections.OrderedDict(zip("bca", c, strict=False)),
+    lambda c: collections.defaultdict(int, zip("ba", c, strict=False)),
+    collections.deque,
+    lambda c: _Point(*[*c, None, None][:2]),
+)
+_TREES = st.recursive(
+    st.sampled_from([None, 1, "s", 2.5]) | st.just(torch.zeros(1)),
+    lambda inner: st.tuples(st.sampled_from(_CONTAINERS), st.lists(inner, max_size=3)).map(
+        lambda made: made[0](made[1])
+    ),
+    max_leaves=8,
+)
+
+
+def _containers(tree):
+    """``tree``'s containers, in the order a walk first meets them (each once, by identity)."""
+    seen = {}
+
+    def walk(node):
+        if optree.tree_is_leaf(node, none_is_leaf=True) or id(node) in seen:
+            return
+        seen[id(node)] = node
+        for child in optree.tree_flatten_one_level(node, none_is_leaf=True).children:
+            walk(child)
+
+    walk(tree)
+    return list(seen.values())
+
+
+@settings(deadline=None, max_examples=60)
+@given(first=_TREES, second=_TREES)
+def test_the_recompute_rebuilds_containers_held_twice_as_one(first, second):
+    """`_engine.flatten_call`: the rebuild is the call, with one container per container."""
+    box = [first]
+    call = ((box, [box, second], {"again": first}), {"k": second, "t": (second, box)})
+    leaves, structure, shared = _engine.flatten_call(call, "")
+    assert shared is not None
+    built = shared.build(leaves)
+    plain = optree.tree_unflatten(structure, leaves)
+    assert optree.tree_structure(built, none_is_leaf=True) == structure
+    assert all(map(operator.is_, optree.tree_leaves(built, none_is_leaf=True), leaves))
+    assert plain == built
+    mine, theirs = _containers(built), _containers(call)
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        assert type(a) is type(b)
+        assert a is not b or a == ()  # (the empty tuple is one object)
