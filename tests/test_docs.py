@@ -985,6 +985,81 @@ def test_an_optimizer_step_inside_fn_runs_again():
         grads(functools.partial(rematerialize, policy="save_matmuls"))
 
 
+class _Settings(dict):  # a dict subclass: an optree leaf, so not rebuilt
+    pass
+
+
+class _OneShot(torch.nn.Module):
+    """A pre-hook on its submodule that triples the input once, and removes itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = torch.nn.Linear(3, 3, dtype=torch.float64)
+        self.handle = self.sub.register_forward_pre_hook(self.once)
+
+    def once(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        self.handle.remove()
+        return (args[0] * 3,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sub(x).tanh() * x
+
+
+def _settings_changed(wrap: Callable[..., Any], x: torch.Tensor) -> None:
+    settings = _Settings(scale=2.0)
+    y = wrap(lambda x, s: (x * s["scale"]).exp() * x)(x, settings)
+    settings["scale"] = 5.0
+    y.sum().backward()
+
+
+def _partial_changed(wrap: Callable[..., Any], x: torch.Tensor) -> None:
+    scale = [2.0]
+    y = wrap(functools.partial(lambda scale, x: (x * scale[0]).exp() * x, scale))(x)
+    scale[0] = 5.0
+    y.sum().backward()
+
+
+def _one_shot_hook(wrap: Callable[..., Any], x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    wrap(_OneShot())(x).sum().backward()
+
+
+def _grad(case: Callable[..., None], wrap: Callable[..., Any]) -> torch.Tensor:
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64).view(2, 3).requires_grad_()
+    case(wrap, x)
+    return x.grad
+
+
+def _checkpointed(f: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    return functools.partial(checkpoint, f, use_reentrant=False)
+
+
+@pytest.mark.parametrize("case", [_settings_changed, _partial_changed])
+def test_state_held_where_remat_does_not_look_is_read_as_in_checkpoint(
+    case: Callable[..., None],
+) -> None:
+    """A dict subclass's entry or a partial's list changed after the forward: the default
+    policy's gradient is checkpoint's, not plain's; the per-op policies raise."""
+    expected, theirs = _grad(case, lambda f: f), _grad(case, _checkpointed)
+    assert not torch.equal(theirs, expected)
+    assert torch.equal(_grad(case, rematerialize), theirs)
+    for policy in ("save_matmuls", policies.memory_budget(0.5)):
+        with pytest.raises(remat.RecomputeError):
+            _grad(case, functools.partial(rematerialize, policy=policy))
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", policies.memory_budget(0.5)])
+def test_a_hook_that_removes_itself_is_not_run_by_the_recompute(policy: Any) -> None:
+    """Checkpoint computes another gradient with no error; remat raises, where what autograd
+    saved shows it."""
+    expected = _grad(_one_shot_hook, lambda f: f)
+    assert not torch.equal(_grad(_one_shot_hook, _checkpointed), expected)
+    with pytest.raises(remat.RecomputeError, match=r"output of aten\.mul"):
+        _grad(_one_shot_hook, functools.partial(rematerialize, policy=policy))
+
+
 def test_regions_reaching_every_block_with_batch_norm_raise():
     """Two regions, each closing over the list of both blocks and running one: the second
     region's forward updates the second block's statistics before the first region's
