@@ -860,16 +860,32 @@ for _name, _type in (("remat::unpack", _Handle), ("remat::unpack_kept", _Kept)):
 
 def flatten_call(call: Any, namespace: str) -> tuple[list[Any], Any, _Shared | None]:
     """The call's leaves and tree structure, and a `_Shared` if one container is in it twice."""
-    nodes: list[int] = []
+    # What the flatten meets that is not a tensor or a number, in order: held, as a
+    # container's flatten may make new ones, and one freed may lend its id to the next.
+    nodes: list[Any] = []
 
     def note(node: Any) -> bool:
         if not isinstance(node, _ATOMS):  # (a tensor passed twice is one leaf twice)
-            nodes.append(id(node))
+            nodes.append(node)
         return False
 
     leaves, structure = optree.tree_flatten(call, note, none_is_leaf=True, namespace=namespace)
-    shared = _Shared(call, namespace) if len(set(nodes)) < len(nodes) else None
-    return leaves, structure, shared
+    return leaves, structure, _Shared(call, namespace) if _repeated(nodes, namespace) else None
+
+
+def _repeated(nodes: list[Any], namespace: str) -> bool:
+    """Whether a container is among ``nodes`` twice (an object optree does not walk, such as
+    a module, is itself in the recompute anyway)."""
+    if len(set(map(id, nodes))) == len(nodes):
+        return False  # (the usual)
+    seen: set[int] = set()
+    for node in nodes:
+        if id(node) in seen and not optree.tree_is_leaf(
+            node, none_is_leaf=True, namespace=namespace
+        ):
+            return True
+        seen.add(id(node))
+    return False
 
 
 _ATOMS = (torch.Tensor, int, float, str, type(None))
@@ -882,11 +898,14 @@ class _Shared:
     def __init__(self, call: Any, namespace: str) -> None:
         self.namespace = namespace
         self.count = 0  # leaves walked, in `optree.tree_flatten`'s order
+        self.held: list[Any] = []  # what the walk met (a flatten may make new containers)
         self.plan = self._walk(call, {})
+        self.held = []
 
     def _walk(self, node: Any, seen: dict[int, int]) -> Any:
         """A leaf's index; ``(key,)`` for a container seen before; or ``(key, unflatten,
         metadata, children)``."""
+        self.held.append(node)  # (its id is its own while the walk runs)
         ns = self.namespace
         if optree.tree_is_leaf(node, none_is_leaf=True, namespace=ns):
             self.count += 1

@@ -389,3 +389,39 @@ def test_the_recompute_rebuilds_containers_held_twice_as_one(first, second):
     for a, b in zip(mine, theirs, strict=True):
         assert type(a) is type(b)
         assert a is not b or a == ()  # (the empty tuple is one object)
+
+
+class _Box:
+    """An optree node (namespace "boxes") whose flatten makes a new dict each time."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+optree.register_pytree_node(
+    _Box,
+    lambda box: ([{"value": box.value}], None, None),
+    lambda _, children: _Box(children[0]["value"]),
+    namespace="boxes",
+)
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_containers_a_flatten_makes_are_not_one_container(policy):
+    """Each box's flatten makes a dict that is freed once walked, and the next box's may get
+    its address: the rebuild took them for one dict (met twice), and gave each box the first
+    box's tensor (other gradients with no error under the default policy)."""
+
+    def fn(boxes, first, second):
+        total = sum(scale * box.value for scale, box in zip((2, 3, 5), boxes, strict=True))
+        return (total * len(first) * len(second)).sin().exp()
+
+    def grads(f):
+        values = [torch.linspace(-1, i, 4, dtype=torch.float64).requires_grad_() for i in range(3)]
+        shared = [1.0]
+        f([_Box(v) for v in values], shared, shared).sum().backward()
+        return [v.grad for v in values]
+
+    expected = grads(fn)
+    for got, want in zip(grads(remat(fn, policy=policy, namespace="boxes")), expected, strict=True):
+        assert torch.equal(got, want)
