@@ -383,14 +383,13 @@ class _Setting:
     def recreate(
         self,
         stack: contextlib.ExitStack,
-        call: Any,
-        tensors: list[torch.Tensor],
         region: Region,
         make_pack: Callable[
             [list[torch.Tensor], Replayer | None, bool, list[TraceEntry] | None], _RecomputePack
         ],
     ) -> tuple[Any, _RecomputePack]:
         """Enter the forward's setting for one recompute; the call to make, and its pack."""
+        leaves, tensors = region.call_now()
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
         moded = self.moded(recompute=True)
         stack.enter_context(torch.enable_grad())
@@ -402,8 +401,9 @@ class _Setting:
             swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
         swap.update((id(original), copy) for copy, original, _ in copies)
         if swap:
-            call = region.tree_map(lambda x: swap.get(id(x), x), call)
             tensors = [swap.get(id(t), t) for t in tensors]
+            leaves = [swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        call = region.build(leaves)
         slots = self.modules.slots if self.modules else ()
         stack.callback(_hooks_added(tensors + [slot.tensor for slot in slots]))
         replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
@@ -474,7 +474,7 @@ class Region:
         self.fn = fn
         self.call: Any = call  # the caller's own arguments, for the forward
         # What the recompute calls ``fn`` with: the call's leaves in its structure as the call
-        # left them, rebuilt (a list or dict the caller, or ``fn``, changes later is the
+        # began, rebuilt (a list or dict the caller, or ``fn``, changes later is the
         # caller's; one passed twice is one). A tensor leaf may be replaced by a stand-in
         # (`_Outer`, `_Weak`).
         self.leaves, self.structure, self.shared = flat
@@ -549,9 +549,6 @@ class Region:
             self._report(found)
         return out
 
-    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
-        return optree.tree_map(fn, tree, none_is_leaf=True, namespace=self.namespace)
-
     def _hand_over_inputs(self, outer: _Running) -> None:
         """Inside another region, hold no input: the outer region saves them for us."""
         pack, unpack = outer.pack, outer.unpack
@@ -566,9 +563,9 @@ class Region:
         self.leaves = _replaced(self.leaves, slots)
         self.tensors, self.inputs, self.versions, self.storages = [], {}, [], []
 
-    def call_now(self) -> tuple[Any, list[torch.Tensor]]:
-        """The call a recompute makes, and its tensor inputs, fetched back if handed over or
-        held weakly."""
+    def call_now(self) -> tuple[list[Any], list[torch.Tensor]]:
+        """The leaves of the call a recompute makes, and its tensor inputs, fetched back if
+        handed over or held weakly."""
         leaves, tensors = self.leaves, self.tensors
         if not tensors and self.inputs_handed_over():
             fetched: dict[int, torch.Tensor] = {}
@@ -582,9 +579,13 @@ class Region:
 
             leaves = list(map(fetch, leaves))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        return leaves, tensors
+
+    def build(self, leaves: list[Any]) -> Any:
+        """The call rebuilt from ``leaves``: new containers, one per container of the call."""
         if self.shared is not None:
-            return self.shared.build(leaves), tensors
-        return optree.tree_unflatten(self.structure, leaves), tensors
+            return self.shared.build(leaves)
+        return optree.tree_unflatten(self.structure, leaves)
 
     def inputs_handed_over(self) -> bool:
         return any(isinstance(x, (_Outer, _Weak)) for x in self.leaves)
@@ -949,9 +950,8 @@ def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:
 def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
     """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
     with contextlib.ExitStack() as stack:
-        call, tensors = region.call_now()
         call, pack = region.setting.recreate(
-            stack, call, tensors, region, functools.partial(_RecomputePack, region, needed)
+            stack, region, functools.partial(_RecomputePack, region, needed)
         )
         replayer = pack.replayer
         try:

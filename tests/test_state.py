@@ -1658,6 +1658,35 @@ def test_containers_passed_to_fn_and_changed_after_the_forward(policy, case):
     assert_tree_equal(run(lambda fn, *args: remat.remat(fn, policy=policy)(*args)), expected)
 
 
+def _twice_with_batch_norm(wrap: Callable[..., Any], w: torch.Tensor) -> Any:
+    """One list passed twice to a region whose forward updates module buffers (the recompute
+    runs with private copies of them, which replace arguments)."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(6).to(DTYPE)
+    shared = [1.0]
+
+    def fn(x: torch.Tensor, first: list[float], second: list[float]) -> torch.Tensor:
+        return norm(torch.tanh(x @ w * (2.0 if first is second else 3.0)))
+
+    return wrap(fn)(_batch(0), shared, shared), norm.running_mean
+
+
+@each_policy
+def test_a_container_passed_twice_is_one_where_module_state_is_copied(policy):
+    """Where the recompute swaps tensors for private copies (module buffers the forward
+    updated), it rebuilt the call leaf by leaf with optree, which makes two lists of one:
+    other gradients under the default policy, with no error; the per-op policies raised."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        w = torch.randn(6, 6, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+        w.requires_grad_()
+        out = _twice_with_batch_norm(wrap, w)
+        out[0].sin().sum().backward()
+        return out, w.grad
+
+    assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda fn: fn))
+
+
 class _HookedOnce(nn.Module):
     """A forward that registers a hook on a submodule on its first call, behind a flag."""
 
