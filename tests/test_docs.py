@@ -913,6 +913,50 @@ def test_a_container_passed_twice_is_one_in_the_recompute(policy: Any) -> None:
     assert all(seen)  # (save_everything recomputes nothing: one call)
 
 
+class _Configured(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.cfg = {"scale": 2.0}
+
+    def forward(self, x: torch.Tensor, cfg: dict[str, float]) -> torch.Tensor:
+        return self.linear(x * (2.0 if cfg is self.cfg else 3.0)).tanh()
+
+
+_CONFIG = {"scale": 2.0}
+
+
+def _a_module_attribute(wrap: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    model = _Configured()
+    return wrap(model)(x, model.cfg)
+
+
+def _a_global(wrap: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    return wrap(lambda x, cfg: (x * (2.0 if cfg is _CONFIG else 3.0)).tanh())(x, _CONFIG)
+
+
+@pytest.mark.parametrize("case", [_a_module_attribute, _a_global])
+def test_a_container_also_reached_another_way_is_another_in_the_recompute(
+    case: Callable[..., torch.Tensor],
+) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    def grad(wrap: Callable[..., Any]) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 8, dtype=torch.float64).view(2, 4).requires_grad_()
+        case(wrap, x).sin().sum().backward()
+        return x.grad
+
+    expected = grad(lambda f: f)
+    assert torch.equal(
+        grad(lambda f: functools.partial(checkpoint, f, use_reentrant=False)), expected
+    )
+    assert not torch.equal(grad(rematerialize), expected)
+    for policy in ("save_matmuls", policies.memory_budget(0.5)):
+        with pytest.raises(remat.RecomputeError):
+            grad(functools.partial(rematerialize, policy=policy))
+
+
 def test_a_batched_backward_through_random_ops_raises_as_in_checkpoint():
     from torch.utils.checkpoint import checkpoint
 
