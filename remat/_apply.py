@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.checkpoint import noop_context_fn
 
-from ._hf import WHILE_RECORDING, switched
+from ._hf import WHILE_RECORDING, refuse_filled_cache, switched
 from ._policies import resolve
 from ._transform import PolicyLike, remat
 
@@ -75,6 +75,8 @@ class _Checked(_Forward):
                 "(by Hugging Face's switch on a model above the one `remat.apply` was given, "
                 f"for one). {_SWITCHING} To go back to remat, call `remat.apply` again."
             )
+        if self.module.training and torch.is_grad_enabled():
+            refuse_filled_cache(self.module, args, kwargs)
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)

@@ -12,7 +12,13 @@ import torch
 
 from ._errors import RecomputeError
 
-__all__ = ["WHILE_RECORDING", "checkpointing_layer", "switched", "watch_caches"]
+__all__ = [
+    "WHILE_RECORDING",
+    "checkpointing_layer",
+    "refuse_filled_cache",
+    "switched",
+    "watch_caches",
+]
 
 
 class _WhileRecording:
@@ -62,6 +68,28 @@ def switched(model: torch.nn.Module, matches: list[torch.nn.Module]) -> list[tor
         if id(m) in layers
         or (hasattr(m, "gradient_checkpointing") and any(id(s) in layers for s in m.modules()))
     ]
+
+
+def refuse_filled_cache(
+    layer: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Raise if a Hugging Face layer under `apply`, about to drop its KV cache (in training,
+    while autograd records), is given one that holds positions: it would attend without
+    them (a call that trains on a continuation of a prefilled prompt)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None or getattr(layer, "_can_checkpoint_with_cache", False):
+        return
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, cache_utils.Cache) and value.get_seq_length() > 0:
+            raise RecomputeError(
+                f"`remat.apply`: this {type(layer).__name__} was given a Hugging Face cache "
+                f"that holds {value.get_seq_length()} positions while autograd records. "
+                "Hugging Face's checkpointing, which `remat.apply` switches on for the layer, "
+                "drops the cache there (as `activation_checkpointing_enable` does): the layer "
+                "would attend without those positions. Train on the whole sequence in one call "
+                "(the prompt in `input_ids`, no cache), or fill and read the cache under "
+                "`torch.no_grad()`."
+            )
 
 
 def watch_caches(fn: Callable[..., Any], leaves: list[Any]) -> Callable[[], None] | None:

@@ -599,6 +599,32 @@ def _gpt2_regions_around_attention(attention: str, policy: Any) -> tuple[nn.Modu
 WROTE = r"region around `GPT2Attention.forward` wrote to the Hugging Face cache it was given"
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_training_on_from_a_filled_cache_raises_where_the_layer_drops_it(name):
+    """Training on a continuation of a prompt whose cache was filled without autograd: plain
+    attends to the prompt; Hugging Face's checkpointing drops the cache in each layer, where
+    the model sized its mask for both (a shape error inside attention, or else no context).
+    Under `apply` the layer raises first, and says why. (Up to transformers 5.23 the layer
+    drops the cache before its ``forward``, where `apply` is, and GPT-2's model before its
+    layers: attention's shape error.)"""
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    remat.apply(model, layer)
+    prompt, ids = _ids(), _ids().flip(-1)
+    for m in (plain, model):
+        with torch.no_grad():
+            cache = _cache(m(input_ids=prompt, use_cache=True))
+        if m is plain:
+            m(input_ids=ids, labels=ids, **{_cache_keyword(): cache}).loss.backward()
+            assert cache.get_seq_length() == 2 * prompt.shape[-1]
+        else:
+            refused = (remat.RecomputeError, f"holds {SEQ} positions")
+            if name == "gpt2" or not _hf_layers_keep_the_cache_without_autograd():
+                refused = (RuntimeError, "must match the size")
+            with pytest.raises(refused[0], match=refused[1]):
+                m(input_ids=ids, labels=ids, **{_cache_keyword(): cache})
+
+
 WRITERS = [
     pytest.param(attention, policy, id=f"{attention}-{key}")
     for attention in ["eager", "sdpa"]
