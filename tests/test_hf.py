@@ -599,6 +599,27 @@ def _gpt2_regions_around_attention(attention: str, policy: Any) -> tuple[nn.Modu
 WROTE = r"region around `GPT2Attention.forward` wrote to the Hugging Face cache it was given"
 
 
+def test_a_frozen_model_drops_the_cache_while_gradients_are_enabled():
+    """No parameter requires grad, in train mode, with gradients enabled: plain returns the
+    filled cache; apply's switch drops it, as Hugging Face's own does. Under
+    ``torch.no_grad()`` plain and apply keep it (Hugging Face's own too, from 5.24)."""
+    model, layer = _model("llama")
+    model.requires_grad_(False)
+    plain, hf = copy.deepcopy(model), copy.deepcopy(model)
+    _hf_checkpointing_on(hf)
+    remat.apply(model, layer)
+    ids = _ids()
+
+    def length(m: nn.Module) -> int:
+        cache = _cache(m(input_ids=ids, use_cache=True))
+        return 0 if cache is None else cache.get_seq_length()
+
+    assert [length(plain), length(model), length(hf)] == [SEQ, 0, 0]
+    with torch.no_grad():
+        assert [length(plain), length(model)] == [SEQ, SEQ]
+        assert length(hf) == (SEQ if _hf_layers_keep_the_cache_without_autograd() else 0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_training_on_from_a_filled_cache_raises_where_the_layer_drops_it(name):
     """Training on a continuation of a prompt whose cache was filled without autograd: plain
