@@ -23,7 +23,8 @@ __all__ = [
 
 class _WhileRecording:
     """The value `apply` gives Hugging Face's ``gradient_checkpointing`` flags: true only
-    while autograd records.
+    while gradients are enabled (while autograd records, but for a call in which nothing
+    requires grad).
 
     Hugging Face reads the flag with ``self.training`` alone (its layers up to transformers
     5.23; GPT-2's model in every version), so a model in training mode would drop the KV
