@@ -1207,14 +1207,26 @@ class ModuleState:
         swaps += _hooks_moved(self.hooks)
         previous: list[tuple[Any, Any, Any]] = []
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
+        places: list[tuple[Any, Any, Any]] = []
+        started: list[dict[str, Any]] = []
         try:
             for holder, key, value in swaps:
                 previous.append((holder, key, _get(holder, key)))
                 _put(holder, key, value)
             for module, training in flipped:
                 module.training = not training
+            # As the recompute starts: what it may write that its forward wrote and undid (a
+            # depth counter, a stack), which an early stop leaves written.
+            places = [(holder, key, _get(holder, key)) for holder, key, _ in self.places]
+            started = list(map(dict.copy, tables))
             yield copies
         finally:
+            for place in filter(_moved, places):
+                _put(*place)
+            if started and _items(tables) != _items(started):
+                for table, entry in zip(tables, started, strict=True):
+                    for holder, key, value in _rebound(table, entry):
+                        _put(holder, key, value)
             for holder, key, value in reversed(previous):
                 _put(holder, key, value)  # (`_ABSENT`: deleted between forward and backward)
             for module, training in flipped:

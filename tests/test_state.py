@@ -1687,6 +1687,49 @@ def test_a_container_passed_twice_is_one_where_module_state_is_copied(policy):
     assert_tree_equal(run(functools.partial(remat.remat, policy=policy)), run(lambda fn: fn))
 
 
+class _Nested(nn.Module):
+    """A forward that writes its module's state and undoes it before returning: a depth
+    counter as an attribute and in a dict, and a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.depth, self.context, self.stack = 0, {"depth": 0}, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.depth += 1
+        self.context["depth"] += 1
+        self.stack.append(self.depth)
+        out = self.linear(x).tanh().sin() * (self.depth + self.context["depth"] + len(self.stack))
+        self.stack.pop()
+        self.context["depth"] -= 1
+        self.depth -= 1
+        return out
+
+
+@each_policy
+def test_module_state_the_forward_writes_and_undoes_is_undone_after_an_early_stop(policy):
+    """The recompute stops after the last value the backward needs, before ``fn`` undoes
+    what it wrote: the module's counters and stack were left written, one more at each step
+    (other outputs and gradients from the second step on, with no error). What the recompute
+    writes to the module state it sees is now put back when it ends, not only what changed
+    before it began."""
+
+    def train(model: _Nested, region: Callable[..., Any]) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = region(x)
+            out.sum().backward()
+            results += [out, x.grad, model.linear.weight.grad]
+        return [*results, model.depth, dict(model.context), list(model.stack)]
+
+    plain = _Nested()
+    model = _Nested()
+    assert_tree_equal(train(model, remat.remat(model, policy=policy)), train(plain, plain))
+
+
 class _HookedOnce(nn.Module):
     """A forward that registers a hook on a submodule on its first call, behind a flag."""
 
