@@ -75,19 +75,30 @@ def refuse_filled_cache(
     layer: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     """Raise if a Hugging Face layer under `apply`, about to drop its KV cache (in training,
-    while autograd records), is given one that holds positions: it would attend without
-    them (a call that trains on a continuation of a prefilled prompt)."""
+    while autograd records), is given one that holds positions for it: it would attend
+    without them (a call that trains on a continuation of a prefilled prompt). Positions
+    that layers not under `apply` wrote in this call are theirs, not this layer's."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None or getattr(layer, "_can_checkpoint_with_cache", False):
         return
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, cache_utils.Cache) and value.get_seq_length() > 0:
+    index = next(
+        (m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)),
+        None,
+    )
+    for value in (*args, *kwargs.values()) if index is not None else ():
+        if not isinstance(value, cache_utils.Cache):
+            continue
+        try:
+            held = value.get_seq_length(index)
+        except ValueError:  # (a layer of another kind there: a linear attention's state)
+            continue
+        if held > 0:
             raise RecomputeError(
                 f"`remat.apply`: this {type(layer).__name__} was given a Hugging Face cache "
-                f"that holds {value.get_seq_length()} positions while autograd records. "
-                "Hugging Face's checkpointing, which `remat.apply` switches on for the layer, "
-                "drops the cache there (as `activation_checkpointing_enable` does): the layer "
-                "would attend without those positions. Train on the whole sequence in one call "
+                f"that holds {held} positions for it while autograd records. Hugging Face's "
+                "checkpointing, which `remat.apply` switches on for the layer, drops the "
+                "cache there (as `activation_checkpointing_enable` does): the layer would "
+                "attend without those positions. Train on the whole sequence in one call "
                 "(the prompt in `input_ids`, no cache), or fill and read the cache under "
                 "`torch.no_grad()`."
             )

@@ -646,6 +646,25 @@ def test_training_on_from_a_filled_cache_raises_where_the_layer_drops_it(name):
                 m(input_ids=ids, labels=ids, **{_cache_keyword(): cache})
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_layers_not_applied_fill_the_cache_and_the_applied_one_drops_its_own(name):
+    """`apply` on the last layer only, and the training call given an empty cache: the first
+    layer fills its part of it, the last drops the cache (its part is empty), and the step is
+    plain's (the check of `test_training_on_from_a_filled_cache...` looks at the layer's own
+    part)."""
+    from transformers import DynamicCache
+
+    model, layer = _model(name)
+    plain = copy.deepcopy(model)
+    last = [n for n, m in model.named_modules() if isinstance(m, layer)][-1]
+    remat.apply(model, lambda path, _: path == last)
+    got, expected = (
+        _train(m, steps=1, **{_cache_keyword(): DynamicCache(config=m.config)})
+        for m in (model, plain)
+    )
+    _assert_same(expected, got)
+
+
 WRITERS = [
     pytest.param(attention, policy, id=f"{attention}-{key}")
     for attention in ["eager", "sdpa"]
