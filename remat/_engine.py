@@ -12,6 +12,7 @@ matched op is replayed from a kept value or skipped (see ``_replayer``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -859,10 +860,11 @@ for _name, _type in (("remat::unpack", _Handle), ("remat::unpack_kept", _Kept)):
     ).register_fake(_unpacked_like)
 
 
-def flatten_call(call: Any, namespace: str) -> tuple[list[Any], Any, _Shared | None]:
-    """The call's leaves and tree structure, and a `_Shared` if one container is in it twice."""
-    # What the flatten meets that is not a tensor or a number, in order: held, as a
-    # container's flatten may make new ones, and one freed may lend its id to the next.
+def flatten_call(call: Any, namespace: str) -> tuple[list[Any], Any, list[Any]]:
+    """The call's leaves and tree structure, and what the flatten met that is not a tensor
+    or a number, in order (for `call_plan`)."""
+    # Held until the plan is made: a container's flatten may make new ones, and one freed
+    # may lend its id to the next.
     nodes: list[Any] = []
 
     def note(node: Any) -> bool:
@@ -871,7 +873,27 @@ def flatten_call(call: Any, namespace: str) -> tuple[list[Any], Any, _Shared | N
         return False
 
     leaves, structure = optree.tree_flatten(call, note, none_is_leaf=True, namespace=namespace)
-    return leaves, structure, _Shared(call, namespace) if _repeated(nodes, namespace) else None
+    return leaves, structure, nodes
+
+
+def call_plan(call: Any, leaves: list[Any], nodes: list[Any], namespace: str) -> _Shared | None:
+    """A `_Shared` if one container is in the call twice, or if an ``OrderedDict`` is in
+    another order than its keys were first in (``move_to_end``): `optree.tree_unflatten`
+    rebuilds that one in its first order.
+
+    None where the walk meets the leaves in another order than the flatten (no case is
+    known): then the call is rebuilt as flattened."""
+    if _repeated(nodes, namespace) or any(map(_reordered, nodes)):
+        shared = _Shared(call, namespace)
+        if len(shared.walked) == len(leaves) and all(map(operator.is_, shared.walked, leaves)):
+            shared.walked = []
+            return shared
+    return None
+
+
+def _reordered(node: Any) -> bool:
+    """An ``OrderedDict`` whose order is not its keys' first (which optree flattens in)."""
+    return isinstance(node, collections.OrderedDict) and list(node) != list(dict.__iter__(node))
 
 
 def _repeated(nodes: list[Any], namespace: str) -> bool:
@@ -893,32 +915,42 @@ _ATOMS = (torch.Tensor, int, float, str, type(None))
 
 
 class _Shared:
-    """Rebuilds a call from its leaves with its containers' identities: a list passed twice
-    is one list, as in the forward (`optree.tree_unflatten` would make two)."""
+    """Rebuilds a call from its leaves with its containers' identities and orders: a list
+    passed twice is one list, as in the forward (`optree.tree_unflatten` would make two)."""
 
     def __init__(self, call: Any, namespace: str) -> None:
         self.namespace = namespace
-        self.count = 0  # leaves walked, in `optree.tree_flatten`'s order
         self.held: list[Any] = []  # what the walk met (a flatten may make new containers)
+        self.walked: list[Any] = []  # the leaves, in the walk's order: the flatten's
+        self.plans: dict[int, Any] = {}  # each container's plan, by key
         self.plan = self._walk(call, {})
         self.held = []
 
     def _walk(self, node: Any, seen: dict[int, int]) -> Any:
         """A leaf's index; ``(key,)`` for a container seen before; or ``(key, unflatten,
-        metadata, children)``."""
+        metadata, children)``, the children in the container's order, walked in the
+        flatten's."""
         self.held.append(node)  # (its id is its own while the walk runs)
         ns = self.namespace
         if optree.tree_is_leaf(node, none_is_leaf=True, namespace=ns):
-            self.count += 1
-            return self.count - 1
+            self.walked.append(node)
+            return len(self.walked) - 1
         if id(node) in seen:  # its leaves are in the flat list again: skip them
-            self.count += len(optree.tree_leaves(node, none_is_leaf=True, namespace=ns))
+            self.walked += optree.tree_leaves(node, none_is_leaf=True, namespace=ns)
             return (seen[id(node)],)
         key = seen[id(node)] = len(seen)
-        children, metadata, _, unflatten = optree.tree_flatten_one_level(
+        children, metadata, entries, unflatten = optree.tree_flatten_one_level(
             node, none_is_leaf=True, namespace=ns
         )
-        return (key, unflatten, metadata, [self._walk(child, seen) for child in children])
+        order: Any = range(len(children))
+        if _reordered(node):  # flattened in its keys' first order
+            position = {entry: i for i, entry in enumerate(entries)}
+            order = [position[entry] for entry in dict.__iter__(node)]
+        plans: list[Any] = [None] * len(children)
+        for i in order:
+            plans[i] = self._walk(children[i], seen)
+        plan = self.plans[key] = (key, unflatten, metadata, plans)
+        return plan
 
     def build(self, leaves: list[Any]) -> Any:
         made: dict[int, Any] = {}
@@ -926,9 +958,10 @@ class _Shared:
         def make(plan: Any) -> Any:
             if isinstance(plan, int):
                 return leaves[plan]
-            if len(plan) == 1:
-                return made[plan[0]]
-            key, unflatten, metadata, children = plan
+            key = plan[0]
+            if key in made:  # (met before, or in the container's order first: walked later)
+                return made[key]
+            key, unflatten, metadata, children = self.plans[key]
             made[key] = node = unflatten(metadata, [make(child) for child in children])
             return node
 

@@ -11,7 +11,7 @@ import torch
 
 from . import _hf, _torch_private
 from ._compiled import refuse_budget, traced
-from ._engine import Region, flatten_call, running_region
+from ._engine import Region, call_plan, flatten_call, running_region
 from ._modules import ModuleState, owner_of, reachable
 from ._policies import OpCall, Policy, resolve
 
@@ -136,7 +136,9 @@ def remat(
             return traced(fn, args, kwargs, resolved, preserve_rng)
         if resolved.budget is not None and resolved.per_op and _torch_private.compile_callback():
             torch.compiler.disable(refuse_budget)(resolved)
-        leaves, structure, shared = flatten_call((args, kwargs), namespace)
+        leaves, structure, nodes = flatten_call((args, kwargs), namespace)
+        shared = call_plan((args, kwargs), leaves, nodes, namespace)
+        del nodes
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         reached = reachable(fn, leaves)
         owner = owner_of(fn, args[0] if args else None)

@@ -12,6 +12,7 @@ docs/limitations.md (and the pages that link to it), then the test.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -911,6 +912,28 @@ def test_a_container_passed_twice_is_one_in_the_recompute(policy: Any) -> None:
     assert torch.equal(grad(rematerialize(fn, policy=policy)), expected)
     assert seen
     assert all(seen)  # (save_everything recomputes nothing: one call)
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_an_ordered_dict_argument_moved_to_end_keeps_its_order_in_the_recompute(
+    policy: Any,
+) -> None:
+    """optree flattens an ``OrderedDict`` in its keys' first order, and `tree_unflatten`
+    rebuilds it so; the recompute's is in the caller's order."""
+
+    def fn(x: torch.Tensor, scales: collections.OrderedDict[str, float]) -> torch.Tensor:
+        for scale in scales.values():  # read in order
+            x = (x * scale).sin()
+        return x
+
+    def grad(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 4, dtype=torch.float64).requires_grad_()
+        scales = collections.OrderedDict(a=1.5, b=-0.5, c=2.0)
+        scales.move_to_end("a")
+        f(x, scales).sum().backward()
+        return x.grad
+
+    assert torch.equal(grad(rematerialize(fn, policy=policy)), grad(fn))
 
 
 class _Configured(torch.nn.Module):

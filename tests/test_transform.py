@@ -374,10 +374,11 @@ def _containers(tree):
 @settings(deadline=None, max_examples=60)
 @given(first=_TREES, second=_TREES)
 def test_the_recompute_rebuilds_containers_held_twice_as_one(first, second):
-    """`_engine.flatten_call`: the rebuild is the call, with one container per container."""
+    """`_engine.call_plan`: the rebuild is the call, with one container per container."""
     box = [first]
     call = ((box, [box, second], {"again": first}), {"k": second, "t": (second, box)})
-    leaves, structure, shared = _engine.flatten_call(call, "")
+    leaves, structure, nodes = _engine.flatten_call(call, "")
+    shared = _engine.call_plan(call, leaves, nodes, "")
     assert shared is not None
     built = shared.build(leaves)
     plain = optree.tree_unflatten(structure, leaves)
