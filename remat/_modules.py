@@ -1327,8 +1327,8 @@ def _moved(place: tuple[Any, Any, Any]) -> bool:
         return getattr(module, "__dict__", None) is holder
     if key is not _CONTENTS:
         return now is not value
-    if isinstance(value, dict):  # (by key: a dict's order is its own)
-        return now.keys() != value.keys() or any(now[k] is not value[k] for k in value)
+    if isinstance(value, dict):  # (in order: ``fn`` may iterate it)
+        return list(now) != list(value) or any(now[k] is not value[k] for k in value)
     return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))
 
 

@@ -1730,6 +1730,52 @@ def test_module_state_the_forward_writes_and_undoes_is_undone_after_an_early_sto
     assert_tree_equal(train(model, remat.remat(model, policy=policy)), train(plain, plain))
 
 
+class _Ordered(nn.Module):
+    """A forward that reads its module's dict in order and moves the key it read first to
+    the end (a least-recently-used cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.scales = {"a": 1.5, "b": -0.5, "c": 2.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for scale in self.scales.values():
+            x = self.linear(x).tanh() * scale
+        first = next(iter(self.scales))
+        self.scales[first] = self.scales.pop(first)
+        return x
+
+
+def _reorder(model: _Ordered) -> None:
+    model.scales["b"] = model.scales.pop("b")
+
+
+@pytest.mark.parametrize("between", [None, _reorder], ids=["alone", "reordered"])
+@each_policy
+def test_the_order_of_a_module_dict_is_the_forwards_in_the_recompute(policy, between):
+    """Only the keys and values of a module's dict were compared with the forward's, not
+    their order: the recompute read the dict in the order the forward (or the caller) left
+    it, and its reorder stayed after an early stop (other gradients with no error, and
+    another order after the step)."""
+
+    def train(model: _Ordered, region: Callable[..., Any]) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = region(x)
+            if between is not None:
+                between(model)
+            out.sum().backward()
+            results += [out, x.grad, model.linear.weight.grad, list(model.scales)]
+        return results
+
+    plain = _Ordered()
+    model = _Ordered()
+    assert_tree_equal(train(model, remat.remat(model, policy=policy)), train(plain, plain))
+
+
 class _HookedOnce(nn.Module):
     """A forward that registers a hook on a submodule on its first call, behind a flag."""
 
