@@ -18,7 +18,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any, NamedTuple
 
 import optree
@@ -876,15 +876,23 @@ def flatten_call(call: Any, namespace: str) -> tuple[list[Any], Any, list[Any]]:
     return leaves, structure, nodes
 
 
-def call_plan(call: Any, leaves: list[Any], nodes: list[Any], namespace: str) -> _Shared | None:
-    """A `_Shared` if one container is in the call twice, or if an ``OrderedDict`` is in
-    another order than its keys were first in (``move_to_end``): `optree.tree_unflatten`
-    rebuilds that one in its first order.
+def call_plan(
+    call: Any, leaves: list[Any], nodes: list[Any], namespace: str, restored: Set[int]
+) -> _Shared | None:
+    """A `_Shared` if one container is in the call twice, if one is among ``restored``
+    (ids: containers whose contents the recompute shows as the forward began, in place,
+    `ModuleState.pinned`: the recompute passes those as themselves), or if an
+    ``OrderedDict`` is in another order than its keys were first in (``move_to_end``):
+    `optree.tree_unflatten` rebuilds that one in its first order.
 
     None where the walk meets the leaves in another order than the flatten (no case is
     known): then the call is rebuilt as flattened."""
-    if _repeated(nodes, namespace) or any(map(_reordered, nodes)):
-        shared = _Shared(call, namespace)
+    if (
+        _repeated(nodes, namespace)
+        or (restored and any(id(n) in restored for n in nodes))
+        or any(map(_reordered, nodes))
+    ):
+        shared = _Shared(call, namespace, restored)
         if len(shared.walked) == len(leaves) and all(map(operator.is_, shared.walked, leaves)):
             shared.walked = []
             return shared
@@ -916,13 +924,19 @@ _ATOMS = (torch.Tensor, int, float, str, type(None))
 
 class _Shared:
     """Rebuilds a call from its leaves with its containers' identities and orders: a list
-    passed twice is one list, as in the forward (`optree.tree_unflatten` would make two)."""
+    passed twice is one list, as in the forward (`optree.tree_unflatten` would make two);
+    a module's list or dict (``restored``) is itself, where it holds what the forward
+    read."""
 
-    def __init__(self, call: Any, namespace: str) -> None:
+    def __init__(self, call: Any, namespace: str, restored: Set[int] = frozenset()) -> None:
         self.namespace = namespace
         self.held: list[Any] = []  # what the walk met (a flatten may make new containers)
         self.walked: list[Any] = []  # the leaves, in the walk's order: the flatten's
         self.plans: dict[int, Any] = {}  # each container's plan, by key
+        # The restored containers met, by key, and each dict's keys in their order.
+        self.restored = restored
+        self.objects: dict[int, Any] = {}
+        self.orders: dict[int, list[Any]] = {}
         self.plan = self._walk(call, {})
         self.held = []
 
@@ -939,6 +953,10 @@ class _Shared:
             self.walked += optree.tree_leaves(node, none_is_leaf=True, namespace=ns)
             return (seen[id(node)],)
         key = seen[id(node)] = len(seen)
+        if id(node) in self.restored:
+            self.objects[key] = node
+            if isinstance(node, dict):
+                self.orders[key] = list(node)
         children, metadata, entries, unflatten = optree.tree_flatten_one_level(
             node, none_is_leaf=True, namespace=ns
         )
@@ -962,10 +980,37 @@ class _Shared:
             if key in made:  # (met before, or in the container's order first: walked later)
                 return made[key]
             key, unflatten, metadata, children = self.plans[key]
+            node = self.objects.get(key)
+            if node is not None and self._holds(plan, node, leaves, made):
+                return node
             made[key] = node = unflatten(metadata, [make(child) for child in children])
             return node
 
         return make(self.plan)
+
+    def _holds(self, plan: Any, node: Any, leaves: list[Any], made: dict[int, Any]) -> bool:
+        """Whether ``node`` holds, as the recompute begins, what the forward read there: the
+        same leaves (by identity, as swapped for the recompute), in the same containers,
+        order and structure, each a restored container or a tuple. Notes them in ``made``."""
+        if isinstance(plan, int):
+            return node is leaves[plan]
+        key, _, metadata, children = self.plans[plan[0]]
+        if key in made:
+            return made[key] is node
+        expected = self.objects.get(key)
+        if (node is not expected) if expected is not None else (type(node) is not tuple):
+            return False
+        now, now_metadata, _, _ = optree.tree_flatten_one_level(
+            node, none_is_leaf=True, namespace=self.namespace
+        )
+        if len(now) != len(children) or now_metadata != metadata:
+            return False
+        if key in self.orders and list(node) != self.orders[key]:
+            return False
+        if not all(map(functools.partial(self._holds, leaves=leaves, made=made), children, now)):
+            return False
+        made[key] = node
+        return True
 
 
 def _replaced(leaves: list[Any], slots: dict[int, Any]) -> list[Any]:

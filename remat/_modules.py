@@ -943,6 +943,11 @@ class ModuleState:
             return None
         return state
 
+    def restored(self) -> set[int]:
+        """The lists, dicts and deques whose whole contents the recompute shows as the
+        forward began (`pinned`), and gives back after it: ids."""
+        return {id(holder) for holder, key, _ in self.places if key is _CONTENTS}
+
     def _attributes(self, submodules: list[nn.Module], unlearned: list[Any]) -> None:
         """Each module's plain tensor attributes (a cache, a mask) as slots, as its buffers
         are; one that shares memory with another slot (HF's rotary embedding keeps its buffer

@@ -137,14 +137,15 @@ def remat(
         if resolved.budget is not None and resolved.per_op and _torch_private.compile_callback():
             torch.compiler.disable(refuse_budget)(resolved)
         leaves, structure, nodes = flatten_call((args, kwargs), namespace)
-        shared = call_plan((args, kwargs), leaves, nodes, namespace)
-        del nodes
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         reached = reachable(fn, leaves)
         owner = owner_of(fn, args[0] if args else None)
         modules = ModuleState.capture(owner, reached, leaves, structure)
         if resolved.per_op and modules is not None:
             modules.refuse_lazy(resolved)
+        restored = modules.restored() if modules is not None else set()
+        shared = call_plan((args, kwargs), leaves, nodes, namespace, restored)
+        del nodes
         generators = []
         if preserve_rng:
             extra = modules.generators if modules is not None else []

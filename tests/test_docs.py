@@ -941,33 +941,71 @@ class _Configured(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
-        self.cfg = {"scale": 2.0}
+        self.cfg = collections.OrderedDict(scale=2.0, calls=0, log=[])
+        self.cfg.move_to_end("scale")  # (optree flattens it in its keys' first order)
 
-    def forward(self, x: torch.Tensor, cfg: dict[str, float]) -> torch.Tensor:
-        return self.linear(x * (2.0 if cfg is self.cfg else 3.0)).tanh()
+    def forward(self, x: torch.Tensor, cfg: collections.OrderedDict[str, Any]) -> torch.Tensor:
+        cfg["calls"] += 1  # written by the forward: once in all
+        cfg["log"].append(len(cfg["log"]))
+        first = 1.0 if next(iter(cfg)) == "scale" else 0.5  # its order is read,
+        cfg.move_to_end(next(iter(cfg)))  # and written
+        scale = cfg["scale"] * (1.0 if cfg is self.cfg else 1.5) * first + len(cfg["log"])
+        return self.linear(x * scale).tanh()
+
+
+def _unchanged(model: _Configured) -> None:
+    pass
+
+
+def _refilled(model: _Configured) -> None:
+    model.cfg["scale"] = 5.0
+    model.cfg["log"].clear()
+
+
+def _reordered(model: _Configured) -> None:
+    model.cfg.move_to_end(next(iter(model.cfg)))
+
+
+def _rebound(model: _Configured) -> None:
+    model.cfg = collections.OrderedDict(scale=5.0, calls=0, log=[])
+
+
+@pytest.mark.parametrize("after", [_unchanged, _refilled, _reordered, _rebound])
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_a_module_container_passed_to_fn_is_itself_in_the_recompute(
+    policy: Any, after: Callable[[_Configured], None]
+) -> None:
+    """``cfg is self.cfg`` holds in the recompute, which reads what the forward read there
+    (its order too) and writes it only once, whatever the caller does to it before the
+    backward."""
+
+    def run(wrap: Callable[..., Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        model = _Configured()
+        x = torch.linspace(-1, 1, 8, dtype=torch.float64).view(2, 4).requires_grad_()
+        cfg = model.cfg
+        out = wrap(model)(x, cfg)
+        after(model)
+        out.sin().sum().backward()
+        return x.grad, cfg
+
+    expected, written = run(lambda f: f)
+    grad, cfg = run(functools.partial(rematerialize, policy=policy))
+    assert torch.equal(grad, expected)
+    assert list(cfg.items()) == list(written.items())
 
 
 _CONFIG = {"scale": 2.0}
 
 
-def _a_module_attribute(wrap: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
-    model = _Configured()
-    return wrap(model)(x, model.cfg)
-
-
-def _a_global(wrap: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
-    return wrap(lambda x, cfg: (x * (2.0 if cfg is _CONFIG else 3.0)).tanh())(x, _CONFIG)
-
-
-@pytest.mark.parametrize("case", [_a_module_attribute, _a_global])
-def test_a_container_also_reached_another_way_is_another_in_the_recompute(
-    case: Callable[..., torch.Tensor],
-) -> None:
+def test_a_container_also_reached_another_way_is_another_in_the_recompute() -> None:
     from torch.utils.checkpoint import checkpoint
+
+    def fn(x: torch.Tensor, cfg: dict[str, float]) -> torch.Tensor:
+        return (x * (2.0 if cfg is _CONFIG else 3.0)).tanh()
 
     def grad(wrap: Callable[..., Any]) -> torch.Tensor:
         x = torch.linspace(-1, 1, 8, dtype=torch.float64).view(2, 4).requires_grad_()
-        case(wrap, x).sin().sum().backward()
+        wrap(fn)(x, _CONFIG).sin().sum().backward()
         return x.grad
 
     expected = grad(lambda f: f)

@@ -378,7 +378,7 @@ def test_the_recompute_rebuilds_containers_held_twice_as_one(first, second):
     box = [first]
     call = ((box, [box, second], {"again": first}), {"k": second, "t": (second, box)})
     leaves, structure, nodes = _engine.flatten_call(call, "")
-    shared = _engine.call_plan(call, leaves, nodes, "")
+    shared = _engine.call_plan(call, leaves, nodes, "", set())
     assert shared is not None
     built = shared.build(leaves)
     plain = optree.tree_unflatten(structure, leaves)
