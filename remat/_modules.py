@@ -432,83 +432,105 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
-class _Tree(NamedTuple):
-    """What `_submodules` found under some modules, and what tells it is still so."""
+class _Tree:
+    """What `_submodules` found under some modules, and what tells it is still so; and the
+    plan `ModuleState.capture` made for them, if any (`_Plan`).
 
-    roots: list[weakref.ref[nn.Module]]
-    found: list[nn.Module]
-    held: list[tuple[dict[str, Any], str, nn.Module]]
-    tables: list[dict[str, Any]]  # each found module's ``_modules``
-    sizes: list[int]  # their lengths
-    parents: list[dict[str, Any]]  # the table of each held submodule,
-    names: list[str]  # its name there,
-    children: list[int]  # and its id
-    kinds: list[type]  # each found module's class (FSDP2's ``fully_shard`` changes it)
+    It holds the modules it found by weak reference, and their tables (which hold the
+    submodules, not the modules a region reaches): dropped with the first of those that is
+    freed, it keeps no model alive.
+    """
+
+    __slots__ = ("children", "held", "kinds", "names", "parents", "plan", "refs", "roots", "sizes")
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        modules: list[nn.Module],
+        found: list[nn.Module],
+        held: list[tuple[dict[str, Any], str, nn.Module]],
+    ) -> None:
+        drop = functools.partial(_drop_tree, key)
+        roots = set(map(id, modules))
+        self.refs = [weakref.ref(m, drop) if id(m) in roots else weakref.ref(m) for m in found]
+        self.held = held
+        tables = [module._modules for module in found]
+        self.sizes = list(map(len, tables))
+        self.parents = [parent for parent, _, _ in held]  # the table of each held submodule,
+        self.names = [name for _, name, _ in held]  # its name there,
+        self.children = [id(child) for _, _, child in held]  # and its id
+        self.kinds = list(map(type, found))  # (FSDP2's ``fully_shard`` changes the class)
+        position = {id(m): i for i, m in enumerate(found)}
+        self.roots = [position[i] for i in key]  # where ``modules`` are among them
+        self.plan: _Plan | None = None
+
+    def modules(self, key: tuple[int, ...]) -> list[nn.Module] | None:
+        """The modules found, if the tree is still so (checked in native loops)."""
+        found: list[Any] = list(map(_CALL, self.refs))
+        if (
+            list(map(type, found)) == self.kinds  # (a freed module: NoneType)
+            and [id(found[i]) for i in self.roots] == list(key)
+            and list(map(len, map(_MODULES, found))) == self.sizes
+            and list(map(id, map(dict.get, self.parents, self.names))) == self.children
+        ):
+            return found
+        return None
+
+
+def _drop_tree(key: tuple[int, ...], root: weakref.ref[nn.Module]) -> None:
+    tree = _TREES.get(key)
+    if tree is not None and any(ref is root for ref in tree.refs):
+        del _TREES[key]
 
 
 _TREES: dict[tuple[int, ...], _Tree] = {}  # ids of the modules a region reaches -> tree
+_CALL = weakref.ref.__call__
+_MODULES = operator.attrgetter("_modules")
 
 
 def _submodules(
     modules: list[nn.Module],
-) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
-    """Every module under ``modules`` (themselves included), each once, depth first; and
-    where each submodule is held (its parent's table, its name).
+) -> tuple[_Tree, list[nn.Module]]:
+    """Every module under ``modules`` (themselves included), each once, depth first, and
+    their tree (where each submodule is held: its parent's table, its name).
 
     Walked once per set of modules, then checked at each call in native loops: the same
     modules, classes and submodules, in tables of the same sizes.
     """
     key = tuple(map(id, modules))
     tree = _TREES.get(key)
-    if (
-        tree is not None
-        and [id(root()) for root in tree.roots] == list(key)
-        and list(map(len, tree.tables)) == tree.sizes
-        and list(map(id, map(dict.get, tree.parents, tree.names))) == tree.children
-        and list(map(type, tree.found)) == tree.kinds
-    ):
-        return tree.found, tree.held
+    found = tree.modules(key) if tree is not None else None
+    if tree is not None and found is not None:
+        return tree, found
     found, held = _walk(modules)
     if len(_TREES) > 1024:  # (a program that makes new modules at every call)
         _TREES.clear()
-    tables = [module._modules for module in found]
-    _TREES[key] = _Tree(
-        list(map(weakref.ref, modules)),
-        found,
-        held,
-        tables,
-        list(map(len, tables)),
-        [parent for parent, _, _ in held],
-        [name for _, name, _ in held],
-        [id(child) for _, _, child in held],
-        list(map(type, found)),
-    )
-    return found, held
+    tree = _TREES[key] = _Tree(key, modules, found, held)
+    return tree, found
 
 
 class _Plan(NamedTuple):
     """The slots `ModuleState.capture` found in some submodules' parameters and buffers,
-    for its later calls while nothing it depends on changed: no record was made or learned
-    more since (`_GENERATION`), every module is in the same training mode, and the tables
-    are the same, with the same names, each holding a plain tensor or parameter. Made only
-    where no tensor is lazy or sharded by FSDP2, and no module is a batch norm (whose
-    statistics' slots depend on more, `_write_only`).
+    for its later calls while nothing it depends on changed: the same modules (its
+    `_Tree`'s), no record was made or learned more since (`_GENERATION`), every module is in
+    the same training mode, and the tables are the same, with the same names, each holding
+    a plain tensor or parameter. Made only where no tensor is lazy or sharded by FSDP2, and
+    no module is a batch norm (whose statistics' slots depend on more, `_write_only`).
+    Modules by their place among the tree's: it holds none.
     """
 
-    found: list[nn.Module]  # `_Tree.found`, which the plan is for
     generation: int
-    training: list[tuple[nn.Module, bool]]  # `ModuleState.modes`
+    training: list[bool]  # each module's flag
     fsdp: type | None
     ids: list[int]  # ids of each module's parameter and buffer tables, in order
     keys: list[str]  # their names, in order
-    modules: list[nn.Module]  # per slot: its module,
+    modules: list[int]  # per slot: its module,
     tables: list[dict[str, Any]]  # table
     names: list[str]  # and name
     snapshots: list[int]  # the slots copied at entry (updated, as learned)
-    unlearned: list[nn.Module]  # modules with tensors and no record yet
+    unlearned: list[int]  # modules with tensors and no record yet
 
 
-_PLANS: dict[int, _Plan] = {}  # id of a `_Tree.found` -> its plan
 _TABLES = operator.attrgetter("_parameters", "_buffers")
 # The forward hooks a module call runs: each module's tables, and nn.Module's global ones.
 _HOOK_TABLES = operator.attrgetter(
@@ -555,15 +577,13 @@ _PLAIN = frozenset((torch.Tensor, nn.Parameter))
 
 def _planned(
     plan: _Plan | None,
-    found: list[nn.Module],
-    training: list[tuple[nn.Module, bool]],
+    training: list[bool],
     tables: list[dict[str, Any]],
     fsdp: type | None,
 ) -> list[torch.Tensor] | None:
     """The tensors of ``plan``'s slots, in order, if it still holds (checked in native loops)."""
     if (
         plan is None
-        or plan.found is not found
         or plan.generation != _GENERATION
         or plan.fsdp is not fsdp
         or plan.training != training
@@ -576,6 +596,7 @@ def _planned(
 
 
 def _plan(
+    tree: _Tree,
     found: list[nn.Module],
     state: ModuleState,
     tables: list[dict[str, Any]],
@@ -584,25 +605,23 @@ def _plan(
     start: int,
     unlearned: list[nn.Module],
 ) -> None:
-    """Keep, for ``found``, the slots that `ModuleState.capture` found from ``start`` on."""
+    """Keep, for ``tree``, the slots that `ModuleState.capture` found from ``start`` on."""
     slots = state.slots[start:]
     keys = list(itertools.chain.from_iterable(tables))
     if len(slots) != len(keys) or not _PLAIN.issuperset(map(type, map(_TENSOR, slots))):
         return  # (a None in a table)
-    if len(_PLANS) > 1024:
-        _PLANS.clear()
-    _PLANS[id(found)] = _Plan(
-        found,
+    position = {id(m): i for i, m in enumerate(found)}
+    tree.plan = _Plan(
         generation,
-        state.modes,
+        [training for _, training in state.modes],
         fsdp,
         list(map(id, tables)),
         keys,
-        [slot.module for slot in slots],
+        [position[id(slot.module)] for slot in slots],
         list(map(_TABLE, slots)),
         list(map(_NAME, slots)),
         [i - start for i in state.snapshots if i >= start],
-        unlearned,
+        [position[id(m)] for m in unlearned],
     )
 
 
@@ -859,12 +878,14 @@ class ModuleState:
             state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
         state.inputs = len(state.slots)
         unlearned = [] if seen else [owner]
-        submodules, state.held = _submodules(reached.modules)
+        tree, submodules = _submodules(reached.modules)
+        state.held = tree.held
         own = list(map(vars, submodules))
         state.attributes = own, list(map(dict.copy, own))
         tables = _hook_tables(submodules)
         state.hooks = tables, None, [(table, set(table)) for table in filter(None, tables)]
-        state.modes = list(zip(submodules, map(_TRAINING, submodules), strict=True))
+        training = list(map(_TRAINING, submodules))
+        state.modes = list(zip(submodules, training, strict=True))
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
@@ -878,14 +899,15 @@ class ModuleState:
                 v for sub in submodules for v in vars(sub).values() if type(v) is torch.Generator
             ]
         tables = list(itertools.chain.from_iterable(map(_TABLES, submodules)))
-        plan = _PLANS.get(id(submodules))
-        tensors = _planned(plan, submodules, state.modes, tables, fsdp)
+        plan = tree.plan
+        tensors = _planned(plan, training, tables, fsdp)
         if tensors is not None:
             assert plan is not None
-            unlearned += plan.unlearned
+            unlearned += map(submodules.__getitem__, plan.unlearned)
             start = len(slots)
+            modules = map(submodules.__getitem__, plan.modules)
             fields = zip(
-                plan.modules, plan.tables, plan.names, tensors, map(_VERSION, tensors),
+                modules, plan.tables, plan.names, tensors, map(_VERSION, tensors),
                 _memories(tensors), strict=True,
             )  # fmt: skip
             slots += map(tuple.__new__, itertools.repeat(_Slot), fields)  # (native: per slot)
@@ -918,7 +940,7 @@ class ModuleState:
                             candidates.append(len(slots))
                         slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
             if not (owned or state.uninitialized or any(map(_batch_norm, submodules))):
-                _plan(submodules, state, tables, fsdp, generation, start, unlearned[first:])
+                _plan(tree, submodules, state, tables, fsdp, generation, start, unlearned[first:])
         if torch.Tensor in attribute_types:
             state._attributes(submodules, unlearned)
         state.places = reached.places + _contents(own)

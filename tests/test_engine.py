@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat import RecomputeError, _engine, memory, remat
+from remat import policies as remat_policies
 from tests.helpers import POLICIES, OpCounter
 
 
@@ -450,6 +451,26 @@ def test_no_leak_after_backward(regions):
     assert len(regions) == 1
     assert [r() for r in refs] == [None] * 4
     assert regions[0]() is None
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "memory_budget"])
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_a_model_let_go_of_is_freed(policy, backward):
+    """remat's caches of the module trees a region reaches held every module (and so its
+    parameters) strongly, up to 1,024 sets: a model made again and again (a sweep, a
+    notebook cell run again) stayed alive, memory and all."""
+    resolved = remat_policies.memory_budget(0.5) if policy == "memory_budget" else policy
+
+    def let_go() -> list[weakref.ref[torch.Tensor]]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+        out = remat(model, policy=resolved)(_vector(n=8).view(2, 4))
+        if backward:
+            out.sum().backward()
+        return [weakref.ref(model), weakref.ref(model[0].weight)]
+
+    refs = let_go() + let_go()
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
 
 
 _MASK = torch.ones(6, 6, dtype=torch.bool).tril()
