@@ -901,7 +901,7 @@ def call_plan(
 
 def _reordered(node: Any) -> bool:
     """An ``OrderedDict`` whose order is not its keys' first (which optree flattens in)."""
-    return isinstance(node, collections.OrderedDict) and list(node) != list(dict.__iter__(node))
+    return type(node) is collections.OrderedDict and list(node) != list(dict.__iter__(node))
 
 
 def _repeated(nodes: list[Any], namespace: str) -> bool:
