@@ -441,7 +441,9 @@ class _Tree:
     freed, it keeps no model alive.
     """
 
-    __slots__ = ("children", "held", "kinds", "names", "parents", "plan", "refs", "roots", "sizes")
+    __slots__ = (
+        "children", "held", "keys", "kinds", "names", "parents", "plan", "refs", "roots", "sizes",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -456,6 +458,7 @@ class _Tree:
         self.held = held
         tables = [module._modules for module in found]
         self.sizes = list(map(len, tables))
+        self.keys = list(itertools.chain.from_iterable(tables))  # their names, in order
         self.parents = [parent for parent, _, _ in held]  # the table of each held submodule,
         self.names = [name for _, name, _ in held]  # its name there,
         self.children = [id(child) for _, _, child in held]  # and its id
@@ -471,6 +474,7 @@ class _Tree:
             list(map(type, found)) == self.kinds  # (a freed module: NoneType)
             and [id(found[i]) for i in self.roots] == list(key)
             and list(map(len, map(_MODULES, found))) == self.sizes
+            and list(itertools.chain.from_iterable(map(_MODULES, found))) == self.keys
             and list(map(id, map(dict.get, self.parents, self.names))) == self.children
         ):
             return found

@@ -1776,6 +1776,57 @@ def test_the_order_of_a_module_dict_is_the_forwards_in_the_recompute(policy, bet
     assert_tree_equal(train(model, remat.remat(model, policy=policy)), train(plain, plain))
 
 
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n.add_(1)
+        return x * self.n
+
+
+class _Slotted(nn.Module):
+    """A module with a submodule slot set to None, which its forward skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.register_module("extra", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x).tanh()
+        for name, child in self.named_children():
+            if name != "linear":
+                x = child(x)
+        return x.sin()
+
+
+@each_policy
+def test_a_submodule_put_in_place_of_another_name_is_seen(policy):
+    """remat keeps the submodules a region reaches between calls, checking the tables'
+    sizes and the names it had found: one None entry deleted and a submodule added under
+    another name passed the check, so its buffer's update was not seen (the recompute
+    updated it again: other gradients and buffers, no error; the per-op policies raised)."""
+
+    def train(model: _Slotted, region: Callable[..., Any]) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = region(x)
+            out.sum().backward()
+            results += [out, x.grad, model.linear.weight.grad, dict(model.named_buffers())]
+            if step == 0:
+                del model._modules["extra"]
+                model.counter = _Counter()
+        return results
+
+    plain = _Slotted()
+    model = _Slotted()
+    assert_tree_equal(train(model, remat.remat(model, policy=policy)), train(plain, plain))
+
+
 class _HookedOnce(nn.Module):
     """A forward that registers a hook on a submodule on its first call, behind a flag."""
 
