@@ -436,14 +436,13 @@ class _Tree:
     """What `_submodules` found under some modules, and what tells it is still so; and the
     plan `ModuleState.capture` made for them, if any (`_Plan`).
 
-    It holds the modules it found by weak reference, and their tables (which hold the
-    submodules, not the modules a region reaches): dropped with the first of those that is
-    freed, it keeps no model alive.
+    It holds no module, table or tensor: the modules by weak reference, the rest by their
+    places among them. Dropped with the first module it was found from that is freed, it
+    keeps no model alive, also where a submodule refers back to its model (a hook bound to
+    it).
     """
 
-    __slots__ = (
-        "children", "held", "keys", "kinds", "names", "parents", "plan", "refs", "roots", "sizes",
-    )  # fmt: skip
+    __slots__ = ("children", "keys", "kinds", "names", "parents", "plan", "refs", "roots", "sizes")
 
     def __init__(
         self,
@@ -455,36 +454,45 @@ class _Tree:
         drop = functools.partial(_drop_tree, key)
         roots = set(map(id, modules))
         self.refs = [weakref.ref(m, drop) if id(m) in roots else weakref.ref(m) for m in found]
-        self.held = held
-        tables = [module._modules for module in found]
+        tables = list(map(_MODULES, found))
         self.sizes = list(map(len, tables))
         self.keys = list(itertools.chain.from_iterable(tables))  # their names, in order
-        self.parents = [parent for parent, _, _ in held]  # the table of each held submodule,
-        self.names = [name for _, name, _ in held]  # its name there,
-        self.children = [id(child) for _, _, child in held]  # and its id
         self.kinds = list(map(type, found))  # (FSDP2's ``fully_shard`` changes the class)
         position = {id(m): i for i, m in enumerate(found)}
         self.roots = [position[i] for i in key]  # where ``modules`` are among them
+        # Each held submodule: the module whose table holds it, its name there, and where
+        # it is among the modules (after them: None).
+        owner = {id(table): i for i, table in enumerate(tables)}
+        self.parents = [owner[id(parent)] for parent, _, _ in held]
+        self.names = [name for _, name, _ in held]
+        self.children = [position.get(id(child), len(found)) for _, _, child in held]
         self.plan: _Plan | None = None
 
-    def modules(self, key: tuple[int, ...]) -> list[nn.Module] | None:
-        """The modules found, if the tree is still so (checked in native loops)."""
+    def modules(
+        self, key: tuple[int, ...]
+    ) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]] | None:
+        """The modules found, and where each submodule is held, if the tree is still so
+        (checked in native loops)."""
         found: list[Any] = list(map(_CALL, self.refs))
+        if list(map(type, found)) != self.kinds or [id(found[i]) for i in self.roots] != list(key):
+            return None  # (a freed module reads NoneType)
+        tables = list(map(_MODULES, found))
         if (
-            list(map(type, found)) == self.kinds  # (a freed module: NoneType)
-            and [id(found[i]) for i in self.roots] == list(key)
-            and list(map(len, map(_MODULES, found))) == self.sizes
-            and list(itertools.chain.from_iterable(map(_MODULES, found))) == self.keys
-            and list(map(id, map(dict.get, self.parents, self.names))) == self.children
+            list(map(len, tables)) != self.sizes
+            or list(itertools.chain.from_iterable(tables)) != self.keys
         ):
-            return found
-        return None
+            return None
+        parents = list(map(tables.__getitem__, self.parents))
+        children = list(map([*found, None].__getitem__, self.children))
+        if list(map(id, map(dict.get, parents, self.names))) != list(map(id, children)):
+            return None
+        return found, list(zip(parents, self.names, children, strict=True))
 
 
 def _drop_tree(key: tuple[int, ...], root: weakref.ref[nn.Module]) -> None:
     tree = _TREES.get(key)
     if tree is not None and any(ref is root for ref in tree.refs):
-        del _TREES[key]
+        _TREES.pop(key, None)  # (another thread may have cleared it)
 
 
 _TREES: dict[tuple[int, ...], _Tree] = {}  # ids of the modules a region reaches -> tree
@@ -494,23 +502,23 @@ _MODULES = operator.attrgetter("_modules")
 
 def _submodules(
     modules: list[nn.Module],
-) -> tuple[_Tree, list[nn.Module]]:
-    """Every module under ``modules`` (themselves included), each once, depth first, and
-    their tree (where each submodule is held: its parent's table, its name).
+) -> tuple[_Tree, list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
+    """Every module under ``modules`` (themselves included), each once, depth first; where
+    each submodule is held (its parent's table, its name); and their tree.
 
     Walked once per set of modules, then checked at each call in native loops: the same
-    modules, classes and submodules, in tables of the same sizes.
+    modules, classes and submodules, in tables of the same names.
     """
     key = tuple(map(id, modules))
     tree = _TREES.get(key)
-    found = tree.modules(key) if tree is not None else None
-    if tree is not None and found is not None:
-        return tree, found
+    now = tree.modules(key) if tree is not None else None
+    if tree is not None and now is not None:
+        return tree, *now
     found, held = _walk(modules)
     if len(_TREES) > 1024:  # (a program that makes new modules at every call)
         _TREES.clear()
     tree = _TREES[key] = _Tree(key, modules, found, held)
-    return tree, found
+    return tree, found, held
 
 
 class _Plan(NamedTuple):
@@ -529,7 +537,7 @@ class _Plan(NamedTuple):
     ids: list[int]  # ids of each module's parameter and buffer tables, in order
     keys: list[str]  # their names, in order
     modules: list[int]  # per slot: its module,
-    tables: list[dict[str, Any]]  # table
+    tables: list[int]  # table (of ``ids``)
     names: list[str]  # and name
     snapshots: list[int]  # the slots copied at entry (updated, as learned)
     unlearned: list[int]  # modules with tensors and no record yet
@@ -615,6 +623,7 @@ def _plan(
     if len(slots) != len(keys) or not _PLAIN.issuperset(map(type, map(_TENSOR, slots))):
         return  # (a None in a table)
     position = {id(m): i for i, m in enumerate(found)}
+    where = {id(table): i for i, table in enumerate(tables)}
     tree.plan = _Plan(
         generation,
         [training for _, training in state.modes],
@@ -622,7 +631,7 @@ def _plan(
         list(map(id, tables)),
         keys,
         [position[id(slot.module)] for slot in slots],
-        list(map(_TABLE, slots)),
+        [where[id(slot.table)] for slot in slots],
         list(map(_NAME, slots)),
         [i - start for i in state.snapshots if i >= start],
         [position[id(m)] for m in unlearned],
@@ -882,8 +891,7 @@ class ModuleState:
             state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
         state.inputs = len(state.slots)
         unlearned = [] if seen else [owner]
-        tree, submodules = _submodules(reached.modules)
-        state.held = tree.held
+        tree, submodules, state.held = _submodules(reached.modules)
         own = list(map(vars, submodules))
         state.attributes = own, list(map(dict.copy, own))
         tables = _hook_tables(submodules)
@@ -911,7 +919,8 @@ class ModuleState:
             start = len(slots)
             modules = map(submodules.__getitem__, plan.modules)
             fields = zip(
-                modules, plan.tables, plan.names, tensors, map(_VERSION, tensors),
+                modules, map(tables.__getitem__, plan.tables), plan.names, tensors,
+                map(_VERSION, tensors),
                 _memories(tensors), strict=True,
             )  # fmt: skip
             slots += map(tuple.__new__, itertools.repeat(_Slot), fields)  # (native: per slot)

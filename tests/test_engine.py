@@ -5,6 +5,7 @@ import gc
 import re
 import threading
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -453,24 +454,54 @@ def test_no_leak_after_backward(regions):
     assert regions[0]() is None
 
 
+class _Hooked(nn.Module):
+    """A submodule with a forward hook bound to its model: it refers back to the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4).double()
+        self.linear = nn.Linear(4, 4).double()
+        self.linear.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.first(x)).sin()
+
+
+@pytest.mark.parametrize("model", ["sequential", "hooked"])
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "memory_budget"])
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_a_model_let_go_of_is_freed(policy, backward):
+def test_a_model_let_go_of_is_freed(model, policy, backward):
     """remat's caches of the module trees a region reaches held every module (and so its
     parameters) strongly, up to 1,024 sets: a model made again and again (a sweep, a
-    notebook cell run again) stayed alive, memory and all."""
+    notebook cell run again) stayed alive, memory and all; then still where a submodule
+    refers back to its model, and a submodule replaced until the next call."""
     resolved = remat_policies.memory_budget(0.5) if policy == "memory_budget" else policy
 
-    def let_go() -> list[weakref.ref[torch.Tensor]]:
-        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
-        out = remat(model, policy=resolved)(_vector(n=8).view(2, 4))
+    def let_go() -> list[weakref.ref[Any]]:
+        made: nn.Module = (
+            _Hooked()
+            if model == "hooked"
+            else nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+        )
+        region = remat(made, policy=resolved)
+        out = region(_vector(n=8).view(2, 4))
         if backward:
             out.sum().backward()
-        return [weakref.ref(model), weakref.ref(model[0].weight)]
+        first = next(iter(made.children()))
+        made.add_module(next(iter(made._modules)), nn.Identity())  # replaced
+        refs = [weakref.ref(made), weakref.ref(first), weakref.ref(first.weight)]
+        del first, out
+        gc.collect()
+        assert refs[1]() is None  # (before the next call)
+        region(_vector(n=8).view(2, 4))
+        return refs
 
     refs = let_go() + let_go()
     gc.collect()
-    assert [r() for r in refs] == [None] * 4
+    assert [r() for r in refs] == [None] * 6
 
 
 _MASK = torch.ones(6, 6, dtype=torch.bool).tril()
