@@ -91,6 +91,8 @@ class OpMode(_torch_private.TorchDispatchMode):
                 out = keeper.follow(op, args, kwargs, self.run)
                 if out is not DIVERGED:
                     return out
+            if keeper is not None and op.storage:
+                keeper.before(op, args, kwargs)
             out = self._run(op, args, kwargs)
             if keeper is not None:
                 keeper.after(op, args, kwargs, out)
@@ -104,9 +106,13 @@ class OpMode(_torch_private.TorchDispatchMode):
         elif keeper is not None and keeper.program is not None:
             out = keeper.follow(op, args, kwargs, self.run)
             if out is DIVERGED:
+                if op.storage:
+                    keeper.before(op, args, kwargs)
                 out = self._run(op, args, kwargs)
                 keeper.after(op, args, kwargs, out)
         else:
+            if keeper is not None and op.storage:
+                keeper.before(op, args, kwargs)
             out = self._run(op, args, kwargs)
             if keeper is not None:
                 keeper.after(op, args, kwargs, out)

@@ -124,6 +124,7 @@ class Keeper:
         "decisions",
         "deps",
         "described",
+        "early",
         "error",
         "finished",
         "kept",
@@ -194,6 +195,7 @@ class Keeper:
         self.offload: dict[int, tuple[torch.device, torch.device]] = {}
         self.sources: dict[int, str] | None = {} if sources else None
         self.error: Exception | None = None
+        self.early: tuple[Any, set[int]] | None = None  # `before`'s, for `after`
         self.rebuilt_before = 0
         self.skips = True
         self.finished = False
@@ -229,8 +231,12 @@ class Keeper:
         kind = op.kind
         if op.writes and not op.mutable and args[5]:
             kind = ALWAYS_RUNS  # batch norm in training: it updates the running statistics
-        reads: set[int] = set()
-        signature = provenance.signature(op, args, kwargs, reads)
+        if self.early is not None:  # (`before`)
+            signature, reads = self.early
+            self.early = None
+        else:
+            reads = set()
+            signature = provenance.signature(op, args, kwargs, reads)
         self.sigs.append(signature)
         self.deps.append(() if kind == READS_METADATA else tuple(reads))
         try:  # noqa: SIM105 - `suppress` costs a context manager per op
@@ -273,6 +279,13 @@ class Keeper:
         if decision is not Decision.RECOMPUTE:
             self.decisions[index] = decision
             self._apply(index, decision, out)
+
+    def before(self, op: Op, args: Any, kwargs: Any) -> None:
+        """An op that reads a storage is about to run: its signature now, as the recompute
+        and a following forward see it (`Provenance._storage`), for `after`."""
+        assert self.provenance is not None
+        reads: set[int] = set()
+        self.early = (self.provenance.signature(op, args, kwargs, reads), reads)
 
     def follow(self, op: Op, args: Any, kwargs: Any, run: Run) -> Any:
         """Run the next op of the forward if it is the program's next one (same signature),

@@ -63,7 +63,9 @@ class Op:
     Signatures and tables hold these rather than the overloads, which hash in Python.
     """
 
-    __slots__ = ("func", "kind", "mutable", "random", "transparent", "view", "writes", "written")
+    __slots__ = (
+        "func", "kind", "mutable", "random", "storage", "transparent", "view", "writes", "written",
+    )  # fmt: skip
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held: the cache's key is its id
@@ -77,6 +79,8 @@ class Op:
             if argument.alias_info is not None and argument.alias_info.is_write
         )
         self.view = func.is_view
+        # It reads a storage (``set_`` onto memory): described before it runs (`Keeper.before`).
+        self.storage = any(str(a.type) == "Storage" for a in func._schema.arguments)
         # Its output is its input's value: provenance passes through it (autograd adds
         # and drops detaches between one run and the next).
         self.transparent = func in (aten.detach.default, aten.alias.default)
@@ -342,8 +346,9 @@ class Provenance:
 
     def _storage(self, storage: Any, reads: set[int] | None) -> Any:
         """A storage argument, as the first tensor made here whose storage it is, the op
-        that made the memory (each run makes storages of its own; ``set_``'s own target
-        shows it too, once the op ran); else itself (an input's, or one from outside)."""
+        that made the memory (each run makes storages of its own); else itself (an
+        input's, or one from outside). Read before the op runs, in both runs: ``set_``'s
+        own target shows the storage once it ran."""
         for made in self.made.values():
             m = made.ref()
             if m is not None and m.layout == torch.strided and m.untyped_storage() is storage:

@@ -1019,6 +1019,30 @@ def test_kept_value_written_through_an_alias_of_its_own(policy, fn):
         assert_tree_equal(run(f), run(fn))
 
 
+def _set_onto_an_argument(x, w):
+    view = torch.empty(0, dtype=w.dtype)
+    view.set_(w.detach().untyped_storage(), 4, (3, 4), (4, 1))  # w's last 3 rows
+    return ((x @ w) * view).tanh()
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_set_onto_an_arguments_memory_is_replayed(policy):
+    """``set_`` onto an argument's memory: the forward described the storage once the op
+    ran, as its own target's (made by ``empty``), the recompute before it ran, as the
+    argument's: the per-op policies raised ('rebuilt 0 of the 2 values') on a valid
+    program. Both describe it before it runs now."""
+
+    def run(wrap):
+        x, w = _randn(0, 3, 4).requires_grad_(), _randn(1, 4, 4).requires_grad_()
+        out = wrap(x, w)
+        out.sum().backward()
+        return out, x.grad, w.grad
+
+    f = remat(_set_onto_an_argument, policy=policy)
+    for _ in range(3):  # later calls follow the program of the first
+        assert_tree_equal(run(f), run(_set_onto_an_argument))
+
+
 @pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
 def test_lstm_with_dropout_trains_as_plain(policy):
     """``nn.LSTM`` on CPU writes its gates in place through ``unsafe_split``: plain's
