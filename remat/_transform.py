@@ -122,6 +122,13 @@ def remat(
             f"`remat` got a {kind} object, which would bind as a plain method. Put `@remat` "
             f"below `@{kind}`, on the function itself."
         )
+    if isinstance(fn, (torch.jit.ScriptModule, torch.jit.ScriptFunction, torch._C.ScriptMethod)):
+        raise TypeError(
+            f"`remat` got a TorchScript {type(fn).__name__} (torch.jit.script or trace), whose "
+            "code runs outside Python, where remat cannot follow its state. Apply `remat` to "
+            "the eager module or function, before scripting it, or use `torch.compile`, "
+            "under which remat works."
+        )
     if not callable(fn):
         raise TypeError(
             f"`remat` expected a callable `fn`, got {fn!r} of type {type(fn).__name__}. "

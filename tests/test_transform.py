@@ -282,6 +282,36 @@ def test_remat_above_staticmethod_or_classmethod_raises(kind):
         remat(kind(_block))
 
 
+class _Scripted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).tanh()
+
+
+def _scripted_function(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace.*` is deprecated")
+@pytest.mark.parametrize("kind", ["module", "method", "function", "traced"])
+def test_torchscript_raises_at_the_call(kind):
+    """A TorchScript module, method or function crashed in remat's walk of what ``fn``
+    reaches (found by a probe): it raises at ``remat(...)``, saying what works."""
+    if kind == "function":
+        scripted: object = torch.jit.script(_scripted_function)
+    elif kind == "traced":
+        scripted = torch.jit.trace(_Scripted(), torch.ones(2, 3))
+    else:
+        scripted = torch.jit.script(_Scripted())
+        scripted = scripted.forward if kind == "method" else scripted
+    with pytest.raises(TypeError, match=r"TorchScript .* Apply `remat` to the eager"):
+        remat(scripted)
+
+
 @pytest.mark.parametrize("check", ["full", None, True])
 def test_bad_check_raises_value_error(check):
     """A ``check`` other than 'shapes' or 'none' raises ValueError at the call site."""
