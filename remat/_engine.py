@@ -404,7 +404,7 @@ class _Setting:
         if swap:
             tensors = [swap.get(id(t), t) for t in tensors]
             leaves = [swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        call = region.build(leaves)
+        call = region.build(leaves, swap)
         slots = self.modules.slots if self.modules else ()
         stack.callback(_hooks_added(tensors + [slot.tensor for slot in slots]))
         replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
@@ -582,10 +582,12 @@ class Region:
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         return leaves, tensors
 
-    def build(self, leaves: list[Any]) -> Any:
-        """The call rebuilt from ``leaves``: new containers, one per container of the call."""
+    def build(self, leaves: list[Any], swap: dict[int, Any] | None = None) -> Any:
+        """The call rebuilt from ``leaves``: new containers, one per container of the call
+        (but those passed as themselves, `_Shared`). ``swap``: the recompute's tensors, by
+        the id of the forward's they stand for."""
         if self.shared is not None:
-            return self.shared.build(leaves)
+            return self.shared.build(leaves, swap or {})
         return optree.tree_unflatten(self.structure, leaves)
 
     def inputs_handed_over(self) -> bool:
@@ -970,7 +972,7 @@ class _Shared:
         plan = self.plans[key] = (key, unflatten, metadata, plans)
         return plan
 
-    def build(self, leaves: list[Any]) -> Any:
+    def build(self, leaves: list[Any], swap: dict[int, Any]) -> Any:
         made: dict[int, Any] = {}
 
         def make(plan: Any) -> Any:
@@ -981,34 +983,53 @@ class _Shared:
                 return made[key]
             key, unflatten, metadata, children = self.plans[key]
             node = self.objects.get(key)
-            if node is not None and self._holds(plan, node, leaves, made):
-                return node
+            if node is not None:
+                trial = dict(made)  # (kept only if it holds)
+                puts: list[tuple[Any, Any, Any]] = []
+                if self._holds(plan, node, leaves, trial, swap, puts):
+                    for holder, entry, value in puts:
+                        holder[entry] = value  # (`ModuleState.pinned` puts it back)
+                    made.update(trial)
+                    return node
             made[key] = node = unflatten(metadata, [make(child) for child in children])
             return node
 
         return make(self.plan)
 
-    def _holds(self, plan: Any, node: Any, leaves: list[Any], made: dict[int, Any]) -> bool:
+    def _holds(
+        self,
+        plan: Any,
+        node: Any,
+        leaves: list[Any],
+        made: dict[int, Any],
+        swap: dict[int, Any],
+        puts: list[tuple[Any, Any, Any]],
+    ) -> bool:
         """Whether ``node`` holds, as the recompute begins, what the forward read there: the
-        same leaves (by identity, as swapped for the recompute), in the same containers,
-        order and structure, each a restored container or a tuple. Notes them in ``made``."""
-        if isinstance(plan, int):
-            return node is leaves[plan]
+        same leaves (by identity; a tensor the recompute swaps for its own, in ``puts``, to
+        be put in its place), in the same containers, order and structure, each a restored
+        container or a tuple. Notes them in ``made``."""
         key, _, metadata, children = self.plans[plan[0]]
         if key in made:
             return made[key] is node
         expected = self.objects.get(key)
         if (node is not expected) if expected is not None else (type(node) is not tuple):
             return False
-        now, now_metadata, _, _ = optree.tree_flatten_one_level(
+        now, now_metadata, entries, _ = optree.tree_flatten_one_level(
             node, none_is_leaf=True, namespace=self.namespace
         )
         if len(now) != len(children) or now_metadata != metadata:
             return False
         if key in self.orders and list(node) != self.orders[key]:
             return False
-        if not all(map(functools.partial(self._holds, leaves=leaves, made=made), children, now)):
-            return False
+        for child, value, entry in zip(children, now, entries, strict=True):
+            if not isinstance(child, int):
+                if not self._holds(child, value, leaves, made, swap, puts):
+                    return False
+            elif value is not leaves[child]:
+                if expected is None or swap.get(id(value)) is not leaves[child]:
+                    return False
+                puts.append((node, entry, leaves[child]))  # (not in a tuple)
         made[key] = node
         return True
 

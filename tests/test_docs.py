@@ -994,6 +994,41 @@ def test_a_module_container_passed_to_fn_is_itself_in_the_recompute(
     assert list(cfg.items()) == list(written.items())
 
 
+class _Normed(torch.nn.Module):
+    """A module whose list holds its batch norm's running mean (the forward updates it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(4, dtype=torch.float64)
+        self.stats = [self.norm.running_mean, 0.5]
+
+    def forward(self, x: torch.Tensor, stats: list[Any]) -> torch.Tensor:
+        read = stats[0] * stats[1]  # as the forward began
+        scale = 1.0 if stats is self.stats else 1.5
+        return (self.norm(self.linear(x) * scale) + read).tanh()
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_a_module_container_holding_a_buffer_the_forward_updates_is_itself(policy: Any) -> None:
+    """The recompute reads a copy of the buffer as the forward began (the batch norm
+    updates it): the list holds the copy while the recompute runs, and the buffer again
+    after it."""
+
+    def run(wrap: Callable[..., Any]) -> list[Any]:
+        model = _Normed()
+        results = []
+        for step in range(2):
+            x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4) * (step + 1)
+            x.requires_grad_()
+            wrap(model)(x, model.stats).sin().sum().backward()
+            results += [x.grad, model.linear.weight.grad, model.norm.running_mean.clone()]
+        return [*results, model.stats[0] is model.norm.running_mean]
+
+    assert_tree_equal(run(functools.partial(rematerialize, policy=policy)), run(lambda f: f))
+
+
 _CONFIG = {"scale": 2.0}
 
 
