@@ -410,7 +410,7 @@ def test_the_recompute_rebuilds_containers_held_twice_as_one(first, second):
     leaves, structure, nodes = _engine.flatten_call(call, "")
     shared = _engine.call_plan(call, leaves, nodes, "", set())
     assert shared is not None
-    built = shared.build(leaves)
+    built = shared.build(leaves, {})
     plain = optree.tree_unflatten(structure, leaves)
     assert optree.tree_structure(built, none_is_leaf=True) == structure
     assert all(map(operator.is_, optree.tree_leaves(built, none_is_leaf=True), leaves))
