@@ -771,7 +771,6 @@ class ModuleState:
     """
 
     __slots__ = (
-        "aliases",
         "attributes",
         "before",
         "chains",
@@ -852,9 +851,6 @@ class ModuleState:
         # Where ``fn`` found the `loose` tensors (`Reached.places`): the recompute reads
         # what the forward read there (a closure variable rebound before the backward).
         self.places: list[tuple[Any, Any, Any]] = []
-        # Module attributes that share another slot's memory: (table, name, tensor, slot
-        # index). Where the recompute gets a copy of that slot, they get the same view of it.
-        self.aliases: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
 
     @classmethod
     def capture(
@@ -985,8 +981,9 @@ class ModuleState:
 
     def _attributes(self, submodules: list[nn.Module], unlearned: list[Any]) -> None:
         """Each module's plain tensor attributes (a cache, a mask) as slots, as its buffers
-        are; one that shares memory with another slot (HF's rotary embedding keeps its buffer
-        as one; a view of a buffer) as an alias of that slot (`aliases`)."""
+        are; but one that shares memory with another slot (HF's rotary embedding keeps its
+        buffer as one; a view of a buffer): the recompute shows it the same view of that
+        slot's copy (`_stand_ins`), which it then needs (not scratch)."""
         slots = self.slots
         shared = {memory: i for i, memory in enumerate(map(_storage, map(_TENSOR, slots)))}
         for sub in submodules:
@@ -998,7 +995,6 @@ class ModuleState:
                 memory = _storage(t)
                 if memory in shared:
                     i = shared[memory]
-                    self.aliases.append((table, name, t, i))
                     if i in self.scratch:  # (its values are read: the slot needs a copy)
                         self.scratch.discard(i)
                         self.snapshots[i] = self._snapshot(i, slots[i].tensor)
@@ -1126,6 +1122,79 @@ class ModuleState:
         self.written = [t for t, version in self.loose if t._version != version]
         self.loose = [(t, t._version) for t, _ in self.loose]
 
+    def _viewing(self) -> dict[int, int]:
+        """Slots the recompute copies that share memory with another such slot (a view of a
+        buffer passed as an argument), each with the one whose copy it views the same way:
+        the largest (a module's before an argument's)."""
+        slots, groups = self.slots, collections.defaultdict(list)
+        for i in self.snapshots:
+            t = slots[i].tensor
+            if i not in self.chains and not t.requires_grad and _storage(t):
+                groups[_storage(t)].append(i)
+        viewing: dict[int, int] = {}
+        for group in groups.values():
+            base = max(group, key=lambda i: (slots[i].tensor.numel(), slots[i].table is not None))
+            viewing.update((i, base) for i in group if i != base)
+        return viewing
+
+    def _stand_ins(
+        self, made: dict[int, torch.Tensor], copies: list[tuple[torch.Tensor, torch.Tensor, int]]
+    ) -> list[tuple[Any, Any, Any]]:
+        """Where the forward could find a tensor sharing memory with a slot the recompute
+        copies (``made``) outside its table: a module's attributes (HF's rotary embedding
+        keeps its buffer as one) and the `places` ``fn`` reaches, as the forward began, and
+        the lists, tuples, dicts, deques (and their subclasses) and plain objects these hold
+        at any depth. Swaps that put the same view of the copy there, a tuple holding one
+        rebuilt in its holder; adds the views to ``copies``."""
+        slots = self.slots
+        copied = {_storage(slots[i].tensor): i for i in made}
+        entries = {id(holder): value for holder, key, value in self.places if key is _CONTENTS}
+        memo: dict[int, Any] = {}
+        swaps: list[tuple[Any, Any, Any]] = []
+
+        def stand_in(value: Any, where: str) -> Any:
+            if type(value) in _ATOMS:
+                return value
+            if id(value) in memo:
+                return memo[id(value)]
+            memo[id(value)] = value  # (a cycle meets it as it is)
+            if isinstance(value, torch.Tensor):
+                i = copied.get(_storage(value))
+                if i is not None:
+                    memo[id(value)] = _alias(made[i], slots[i], value, where)
+                    if memo[id(value)] is not made[i]:
+                        copies.append((memo[id(value)], value, slots[i].version))
+            elif isinstance(value, tuple):
+                items = [stand_in(item, where) for item in value]
+                if any(map(operator.is_not, items, value)):
+                    memo[id(value)] = _rebuilt(value, items, where)
+            elif isinstance(value, _CONTAINERS):
+                entry = entries.get(id(value))
+                entry = _get(value, _CONTENTS) if entry is None else entry
+                pairs = list(entry.items() if isinstance(entry, dict) else enumerate(entry))
+                now = {key: stand_in(item, where) for key, item in pairs}
+                if any(now[key] is not item for key, item in pairs):
+                    contents = now if isinstance(entry, dict) else tuple(now.values())
+                    swaps.append((value, _CONTENTS, contents))
+            elif not isinstance(value, _OPAQUE) and type(getattr(value, "__dict__", 0)) is dict:
+                table = vars(value)  # a plain object's attributes
+                for name, item in list(table.items()):
+                    if stand_in(item, where) is not item:
+                        swaps.append((table, name, memo[id(item)]))
+            return memo[id(value)]
+
+        for (module, _), table, entry in zip(self.modes, *self.attributes, strict=True):
+            for name in entry.keys() - _MODULE_OWN:
+                where = f"`{name}` of {type(module).__name__}"
+                if stand_in(entry[name], where) is not entry[name]:
+                    swaps.append((table, name, memo[id(entry[name])]))
+        for holder, key, value in self.places:
+            if key is _CONTENTS:
+                stand_in(holder, "a container `fn` reaches")
+            elif stand_in(value, "a tensor `fn` reaches") is not value:
+                swaps.append((holder, key, memo[id(value)]))
+        return swaps
+
     @contextlib.contextmanager
     def pinned(
         self, wrap: Callable[[list[tuple[int, int | None, bool]], torch.Tensor], torch.Tensor]
@@ -1183,7 +1252,10 @@ class ModuleState:
             == list(map(id, map(_TENSOR, tabled)))
         )
         made: dict[int, torch.Tensor] = {}  # slot index -> its copy
+        viewing = {} if unchanged or len(self.snapshots) < 2 else self._viewing()
         for i, slot in enumerate(() if unchanged else slots):
+            if i in viewing:  # (after the copy it views)
+                continue
             if i in self.scratch:
                 assert slot.table is not None
                 plain = torch.empty_like(slot.tensor)
@@ -1230,12 +1302,13 @@ class ModuleState:
                     slot.tensor._version,
                     "Step the optimizer after the backward.",
                 )
-        for table, name, t, i in self.aliases if made else ():
-            if i in made:
-                view = made[i] if t is slots[i].tensor else _alias(made[i], slots[i], name, t)
-                swaps.append((table, name, view))
-                if view is not made[i]:
-                    copies.append((view, t, slots[i].version))
+        for i, base in viewing.items():
+            slot = slots[i]
+            made[i] = view = _alias(made[base], slots[base], slot.tensor, f"`{slot.name}`")
+            if view is not made[base]:
+                copies.append((view, slot.tensor, slot.version))
+            if slot.table is not None:
+                swaps.append((slot.table, slot.name, view))
         for held in self.held:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
@@ -1244,6 +1317,8 @@ class ModuleState:
             for table, entry in zip(tables, entries, strict=True):
                 swaps += _rebound(table, entry)
         swaps += filter(_moved, self.places)
+        if made:
+            swaps += self._stand_ins(made, copies)
         swaps += _hooks_moved(self.hooks)
         previous: list[tuple[Any, Any, Any]] = []
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
@@ -1280,6 +1355,13 @@ _ABSENT = object()
 # `modes` show the recompute what they held).
 _MODULE_OWN = frozenset(vars(nn.Module()))
 _CONTAINERS = (list, dict, collections.deque)
+# Objects whose attributes `ModuleState._stand_ins` does not search: modules (their own
+# slots), code, and optimizers: a step inside ``fn`` would step the copies in the
+# recompute, and leave its state for them behind (keyed by them).
+_OPAQUE = (
+    nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType,
+    types.BuiltinFunctionType, functools.partial, torch.optim.Optimizer,
+)  # fmt: skip
 _NESTING = (*_CONTAINERS, tuple)
 
 
@@ -1336,24 +1418,33 @@ def _get(holder: Any, key: Any) -> Any:
 
 
 def _put(holder: Any, key: Any, value: Any) -> None:
-    if key is _CONTENTS:
-        if isinstance(holder, dict):
-            holder.clear()
-            holder.update(value)
-        elif isinstance(holder, collections.deque):
-            holder.clear()
-            holder.extend(value)
-        else:
-            holder[:] = value
-    elif type(holder) is types.CellType:
+    """Put ``value`` in a place (`_get`), through the container's built-in methods: a
+    subclass's own (a read-only dict's) are not called."""
+    if type(holder) is types.CellType:
         if value is _ABSENT:
             del holder.cell_contents
         else:
             holder.cell_contents = value
-    elif value is _ABSENT:
-        del holder[key]
+        return
+    kind: Any = list
+    if isinstance(holder, dict):
+        kind = collections.OrderedDict if isinstance(holder, collections.OrderedDict) else dict
+    elif isinstance(holder, collections.deque):
+        kind = collections.deque
+    if key is not _CONTENTS:
+        if value is _ABSENT:
+            kind.__delitem__(holder, key)
+        else:
+            kind.__setitem__(holder, key, value)
+    elif kind is list:
+        list.__setitem__(holder, slice(None), value)
+    elif kind is collections.deque:
+        collections.deque.clear(holder)
+        collections.deque.extend(holder, value)
     else:
-        holder[key] = value
+        kind.clear(holder)
+        for entry, item in value.items():
+            kind.__setitem__(holder, entry, item)
 
 
 def _moved(place: tuple[Any, Any, Any]) -> bool:
@@ -1372,10 +1463,12 @@ def _moved(place: tuple[Any, Any, Any]) -> bool:
     return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))
 
 
-def _alias(copy: torch.Tensor, slot: _Slot, name: str, t: torch.Tensor) -> torch.Tensor:
-    """Attribute ``name`` (``t``, which shares the memory of ``slot``'s tensor) as the same
+def _alias(copy: torch.Tensor, slot: _Slot, t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t``, which shares the memory of ``slot``'s tensor (found at ``where``), as the same
     view of ``copy``, the recompute's copy of that tensor."""
     base = slot.tensor
+    if t is base:
+        return copy
     offset = copy.storage_offset() + t.storage_offset() - base.storage_offset()
     try:
         if copy.stride() != base.stride():
@@ -1383,10 +1476,24 @@ def _alias(copy: torch.Tensor, slot: _Slot, name: str, t: torch.Tensor) -> torch
         return copy.as_strided(t.shape, t.stride(), offset)
     except RuntimeError as error:  # (memory outside the slot's tensor)
         raise RecomputeError(
-            f"`remat`: the attribute `{name}` of a module shares memory with `{slot.name}` of "
+            f"`remat`: a tensor at {where} shares memory with `{slot.name}` of "
             f"{type(slot.module).__name__}, which the forward updates, and is not a view of it "
             f"({error}). Make it a view of that tensor, or a buffer of its own."
         ) from None
+
+
+def _rebuilt(value: tuple[Any, ...], items: list[Any], where: str) -> tuple[Any, ...]:
+    """A tuple like ``value`` holding ``items``: a named tuple's type, or a tuple."""
+    kind = type(value)
+    if kind is tuple:
+        return tuple(items)
+    if hasattr(kind, "_make"):
+        return kind._make(items)
+    raise RecomputeError(
+        f"`remat`: a {kind.__name__} at {where} holds a tensor sharing memory with a module "
+        "tensor the forward updates, and remat cannot make one holding its copy for the "
+        "recompute. Hold it in a tuple, a list or a dict, or read it from its module."
+    )
 
 
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:

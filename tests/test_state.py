@@ -1348,6 +1348,79 @@ def test_attribute_sharing_memory_with_an_updated_buffer(policy, view, before, n
     assert_tree_equal(train(kept), train(_ReadsStatistic(view, before, norm)))
 
 
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _List(list):  # type: ignore[type-arg]
+    pass
+
+
+class _Frozen(dict):  # type: ignore[type-arg]
+    """A read-only dict, as a frozen config is."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError("frozen")
+
+
+# How a module holds its batch norm's running mean: (make the holder, read the tensor).
+_HOLDERS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = {
+    "list": (lambda t: [t], lambda h: h[0]),
+    "tuple": (lambda t: (t,), lambda h: h[0]),
+    "dict": (lambda t: {"t": t}, lambda h: h["t"]),
+    "object": (_Box, lambda h: h.t),
+    "list subclass": (lambda t: _List([t]), lambda h: h[0]),
+    "read-only dict subclass": (lambda t: _Frozen(t=t), lambda h: h["t"]),
+    "tuple in a list in an object": (lambda t: _Box([(t, 1)]), lambda h: h.t[0][0]),
+    "view": (lambda t: t[1:], lambda h: h),
+}
+
+
+class _HeldStatistic(nn.Module):
+    """Holds its batch norm's running mean in a container or an object, read (or passed to
+    the forward and read) before and after the norm updates it."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = _Normed()
+        make, self.read = _HOLDERS[holder]
+        self.held = make(self.child.running)
+
+    def forward(self, x: torch.Tensor, held: Any = None) -> torch.Tensor:
+        held = self.held if held is None else held
+        before = self.read(held).sum()
+        return self.child(x * (1 + before)).tanh() * self.read(held).sum()
+
+
+@pytest.mark.parametrize("passed", [False, True], ids=["held", "passed"])
+@pytest.mark.parametrize("holder", _HOLDERS)
+@each_policy
+def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed):
+    """A batch norm's running mean that a module holds in a list, tuple, dict, object or
+    a subclass of one (or a view of it), read before and after the norm updates it in
+    training, or passed to the forward so (a view made at each call): plain's training; the
+    recompute finds the same view of its copy there. It read the updated buffer there, or a
+    copy of the view the norm's update did not reach (other gradients under every policy
+    but ``save_everything``, with no error)."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            held = model.child.running[1:] if holder == "view" else model.held  # (a new view)
+            out = model(x, held) if passed else model(x)
+            out.pow(2).sum().backward()
+            results += [out.detach(), x.grad, model.child.linear.weight.grad.clone()]
+            results.append(model.child.running.clone())
+            model.zero_grad()
+        return results
+
+    kept = remat.apply(_HeldStatistic(holder), policy=policy)
+    assert_tree_equal(train(kept), train(_HeldStatistic(holder)))
+
+
 class _Changing(nn.Module):
     """A model whose module tree changes between steps, as ``change`` says."""
 
