@@ -96,6 +96,15 @@ def data_replaced(what: str, fix: str) -> RuntimeError:
     )
 
 
+def scripted(what: str) -> TypeError:
+    """``what`` is TorchScript (torch.jit.script or trace), which remat cannot follow."""
+    return TypeError(
+        f"`remat` {what} (torch.jit.script or trace), whose code runs outside Python, "
+        "where remat cannot follow its state. Apply `remat` to the eager module or "
+        "function, before scripting it, or use `torch.compile`, under which remat works."
+    )
+
+
 def node_op(node: Any) -> str:
     """The aten op behind an autograd node (or its name): ``AddmmBackward0`` -> ``aten.addmm``."""
     name = (node if isinstance(node, str) else node.name()).rstrip("0123456789")

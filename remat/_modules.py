@@ -62,6 +62,7 @@ from ._errors import (
     data_replaced,
     describe,
     describe_meta,
+    scripted,
     source_line,
 )
 
@@ -656,6 +657,11 @@ def _walk(
             found.append(module)
             table = module._modules
             for name, child in table.items():
+                if isinstance(child, torch.jit.ScriptModule):
+                    kind = type(child).__name__
+                    raise scripted(
+                        f"reached TorchScript {kind} `{name}` of {type(module).__name__}"
+                    )
                 held.append((table, name, child))
             stack.extend(reversed(table.values()))
     return found, held

@@ -12,6 +12,7 @@ import torch
 from . import _hf, _torch_private
 from ._compiled import refuse_budget, traced
 from ._engine import Region, call_plan, flatten_call, running_region
+from ._errors import scripted
 from ._modules import ModuleState, owner_of, reachable
 from ._policies import OpCall, Policy, resolve
 
@@ -123,12 +124,7 @@ def remat(
             f"below `@{kind}`, on the function itself."
         )
     if isinstance(fn, (torch.jit.ScriptModule, torch.jit.ScriptFunction, torch._C.ScriptMethod)):
-        raise TypeError(
-            f"`remat` got a TorchScript {type(fn).__name__} (torch.jit.script or trace), whose "
-            "code runs outside Python, where remat cannot follow its state. Apply `remat` to "
-            "the eager module or function, before scripting it, or use `torch.compile`, "
-            "under which remat works."
-        )
+        raise scripted(f"got a TorchScript {type(fn).__name__}")
     if not callable(fn):
         raise TypeError(
             f"`remat` expected a callable `fn`, got {fn!r} of type {type(fn).__name__}. "

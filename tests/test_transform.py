@@ -312,6 +312,25 @@ def test_torchscript_raises_at_the_call(kind):
         remat(scripted)
 
 
+class _HoldsScripted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.jit.script(_Scripted())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_torchscript_submodule_raises_at_the_first_call(policy):
+    """An eager module with a TorchScript child crashed with a ``KeyError`` in remat's walk
+    of its submodules (found by a helper): a ``TypeError`` at the first call names it."""
+    model = remat(_HoldsScripted(), policy=policy)
+    with pytest.raises(TypeError, match=r"reached TorchScript .*`inner` of _HoldsScripted"):
+        model(torch.ones(2, 3, requires_grad=True))
+
+
 @pytest.mark.parametrize("check", ["full", None, True])
 def test_bad_check_raises_value_error(check):
     """A ``check`` other than 'shapes' or 'none' raises ValueError at the call site."""
