@@ -174,11 +174,17 @@ def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 def input_paths(
     fn: Callable[..., Any], call: Any, kinds: tuple[type, ...], namespace: str = ""
 ) -> list[str]:
-    """Readable paths (like `` `x['a'][0]` ``) of the leaves of ``call`` of the given types."""
+    """Readable paths (like `` `x['a'][0]` ``) of the leaves of ``call`` of the given types,
+    by the names of ``fn``'s positional parameters (a module's ``forward``'s)."""
+    names = []
     try:
-        names = list(inspect.signature(fn).parameters)
+        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        for parameter in inspect.signature(target).parameters.values():
+            if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                break  # (``*args``: by position)
+            names.append(parameter.name)
     except (TypeError, ValueError):
-        names = []
+        pass
     paths, leaves, _ = optree.tree_flatten_with_path(call, none_is_leaf=True, namespace=namespace)
     out = []
     for path, leaf in zip(paths, leaves, strict=True):
@@ -187,7 +193,7 @@ def input_paths(
         where, first, *rest = path
         if where == 1:
             head = str(first)
-        elif first < len(names) and names[first] not in ("args", "self"):
+        elif first < len(names) and names[first] != "self":
             head = names[first]
         else:
             head = f"args[{first}]"

@@ -3,6 +3,7 @@
 import inspect
 import os
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -231,3 +232,28 @@ def test_debug_needs_the_forward_inside_it():
     with debug(), pytest.raises(RecomputeError) as info:
         y.sum().backward()
     assert "Op sequences" not in str(info.value)
+
+
+class _WritesArgument(torch.nn.Module):
+    def forward(self, x: torch.Tensor, state: list[torch.Tensor], **options: Any) -> torch.Tensor:
+        state[0].add_(1)
+        return (x * state[0]).sin()
+
+
+def _writes_argument(x: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+    state[0].add_(1)
+    return (x * state[0]).sin()
+
+
+@pytest.mark.parametrize("fn", ["module", "function with *args"])
+def test_an_argument_written_inside_fn_is_named_by_its_parameter(fn):
+    """A module's argument was named by ``nn.Module.__call__``'s parameters
+    (`` `kwargs[0]` ``, found by a helper); it is named by its ``forward``'s, and one
+    gathered by ``*args`` by its position."""
+    x = torch.ones(3, requires_grad=True)
+    if fn == "module":
+        call, name = lambda: remat(_WritesArgument())(x, [torch.zeros(3)]), "`state[0]`"
+    else:
+        call, name = lambda: remat(_writes_argument)(x, torch.zeros(3)), "`args[1]`"
+    with pytest.raises(RecomputeError, match=re.escape(f"argument {name} was modified")):
+        call()
