@@ -1130,13 +1130,14 @@ class ModuleState:
 
     def _viewing(self) -> dict[int, int]:
         """Slots the recompute copies that share memory with another such slot (a view of a
-        buffer passed as an argument), each with the one whose copy it views the same way:
-        the largest (a module's before an argument's)."""
+        buffer passed as an argument; a parameter tied in two modules), each with the one
+        whose copy it views the same way: the largest (a module's before an argument's). A
+        tensor that requires grad shares only with itself (its copy is a leaf)."""
         slots, groups = self.slots, collections.defaultdict(list)
         for i in self.snapshots:
             t = slots[i].tensor
-            if i not in self.chains and not t.requires_grad and _storage(t):
-                groups[_storage(t)].append(i)
+            if i not in self.chains and _storage(t):
+                groups[(True, id(t)) if t.requires_grad else (False, _storage(t))].append(i)
         viewing: dict[int, int] = {}
         for group in groups.values():
             base = max(group, key=lambda i: (slots[i].tensor.numel(), slots[i].table is not None))

@@ -1421,6 +1421,50 @@ def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed):
     assert_tree_equal(train(kept), train(_HeldStatistic(holder)))
 
 
+class _Renormed(nn.Module):
+    """Scales a weight in place in its forward (a renorm), which a second linear layer ties,
+    or which a detached view of it, kept as an attribute, shows (read before and after)."""
+
+    def __init__(self, tied: bool, view: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(6, 6).to(DTYPE), nn.Linear(6, 6).to(DTYPE)
+        if tied:
+            self.second.weight = self.first.weight
+        self.view = self.first.weight.detach()[1:] if view else torch.ones(5, 6, dtype=DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = self.view.sum()
+        with torch.no_grad():
+            self.first.weight.mul_(0.9)
+        h = self.first(x).tanh()
+        return (self.second(h) * before * self.view.sum()).sin()
+
+
+@pytest.mark.parametrize(("tied", "view"), [(True, False)], ids=["tied"])
+@each_policy
+def test_a_weight_the_forward_scales_tied_or_viewed(policy, tied, view):
+    """A parameter the forward updates in place, tied to a second module: the recompute
+    gave each table a copy of its own, and the second read its weight unscaled (other
+    gradients under the default policy, with no error; the per-op policies raised). A
+    detached view of it as an attribute: the recompute's view of the copy required grad
+    (a false ``RecomputeError``). Both train as plain."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            out = model(x)
+            out.pow(2).sum().backward()
+            results += [out.detach(), x.grad, model.first.weight.grad.clone()]
+            results.append(model.first.weight.detach().clone())
+            model.zero_grad()
+        return results
+
+    kept = remat.apply(_Renormed(tied, view), policy=policy)
+    assert_tree_equal(train(kept), train(_Renormed(tied, view)))
+
+
 class _Changing(nn.Module):
     """A model whose module tree changes between steps, as ``change`` says."""
 
