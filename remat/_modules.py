@@ -1472,7 +1472,8 @@ def _moved(place: tuple[Any, Any, Any]) -> bool:
 
 def _alias(copy: torch.Tensor, slot: _Slot, t: torch.Tensor, where: str) -> torch.Tensor:
     """``t``, which shares the memory of ``slot``'s tensor (found at ``where``), as the same
-    view of ``copy``, the recompute's copy of that tensor."""
+    view of ``copy``, the recompute's copy of that tensor (with no autograd history where
+    ``t`` has none: a parameter's detached view)."""
     base = slot.tensor
     if t is base:
         return copy
@@ -1480,7 +1481,8 @@ def _alias(copy: torch.Tensor, slot: _Slot, t: torch.Tensor, where: str) -> torc
     try:
         if copy.stride() != base.stride():
             raise RuntimeError("other strides")
-        return copy.as_strided(t.shape, t.stride(), offset)
+        viewed = copy.detach() if copy.requires_grad and not t.requires_grad else copy
+        return viewed.as_strided(t.shape, t.stride(), offset)
     except RuntimeError as error:  # (memory outside the slot's tensor)
         raise RecomputeError(
             f"`remat`: a tensor at {where} shares memory with `{slot.name}` of "

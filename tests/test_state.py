@@ -1441,7 +1441,9 @@ class _Renormed(nn.Module):
         return (self.second(h) * before * self.view.sum()).sin()
 
 
-@pytest.mark.parametrize(("tied", "view"), [(True, False)], ids=["tied"])
+@pytest.mark.parametrize(
+    ("tied", "view"), [(True, False), (False, True), (True, True)], ids=["tied", "view", "both"]
+)
 @each_policy
 def test_a_weight_the_forward_scales_tied_or_viewed(policy, tied, view):
     """A parameter the forward updates in place, tied to a second module: the recompute
