@@ -812,7 +812,7 @@ class ModuleState:
         # Slots the forward writes and reads only as batch norm's running statistics: no
         # snapshot; the recompute writes scratch memory (`_write_only`, `_Scratch`).
         self.scratch: set[int] = set()
-        # A watched forward: such slots' memory -> slot index, to learn of other reads.
+        # A watched forward: such slots' storage -> slot index, to learn of other reads.
         self.statistics: dict[int, int] = {}
         self.generators: list[Any] = []  # explicit torch.Generators kept as module attributes
         # Slots whose tensors torch.func wrapped (``vmap`` batches ``functional_call``'s
@@ -965,7 +965,8 @@ class ModuleState:
             state.loose_storages = [storage_of(t) for t, _ in state.loose]
         if unlearned:
             state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
-            state.statistics = {_memory(slots[i].tensor): i for i in candidates}
+            memories = [(_storage(slots[i].tensor), i) for i in candidates]
+            state.statistics = {memory: i for memory, i in memories if memory}
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
                 state.before = {
                     i: state._wrapped(i, slot.tensor).detach() for i, slot in enumerate(state.slots)
@@ -1063,7 +1064,7 @@ class ModuleState:
                 continue
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(t, torch.Tensor):
-                    i = stats.get(_memory(t))
+                    i = stats.get(_storage(t))  # (also through a view at an offset)
                     if i is not None:
                         slot = self.slots[i]
                         record = _learning(slot.module)

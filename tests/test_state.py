@@ -1374,6 +1374,7 @@ _HOLDERS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.T
     "read-only dict subclass": (lambda t: _Frozen(t=t), lambda h: h["t"]),
     "tuple in a list in an object": (lambda t: _Box([(t, 1)]), lambda h: h.t[0][0]),
     "view": (lambda t: t[1:], lambda h: h),
+    "view in a list": (lambda t: [t[1:]], lambda h: h[0]),
 }
 
 
