@@ -99,6 +99,8 @@ class OpMode(_torch_private.TorchDispatchMode):
             return out
         if self.watch is not None and self.watch.statistics:
             self.watch.before_read(func, args)
+        if self.guard is not None and self.guard.live:
+            self.guard.before_read(func, args)
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
         if self.replayer is not None:

@@ -392,11 +392,14 @@ class _Setting:
         """Enter the forward's setting for one recompute; the call to make, and its pack."""
         leaves, tensors = region.call_now()
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
-        moded = self.moded(recompute=True)
         stack.enter_context(torch.enable_grad())
         replant = stack.enter_context(self.levels.restore(tensors))
         wrap = functools.partial(self.levels.wrap, replant)
         copies = stack.enter_context(self.modules.pinned(wrap)) if self.modules else []
+        guard = WriteGuard(copies)  # (what it checks: below)
+        # With private copies of what the forward updated, the recompute's reads of the
+        # memory they stand for are checked, under the mode.
+        moded = self.moded(recompute=True) or bool(guard.live)
         swap = {}
         if replant is not None:
             swap = {id(a): b for a, b in zip(tensors, replant.inputs, strict=True)}
@@ -441,10 +444,10 @@ class _Setting:
                 stack.enter_context(GeneratorWatch(states))
         if moded:
             # A per-op policy's recompute runs under the mode anyway: always guarded.
-            guarded = self.watching or replayer is not None
-            made_here = replayer.made_here if replayer is not None else None
-            guard = WriteGuard([c for c, _, _ in copies], made_here) if guarded else None
-            mode = self.mode_type()(replay=replay, replayer=replayer, trace=trace, guard=guard)
+            guard.writes = self.watching or replayer is not None
+            guard.made_here = replayer.made_here if replayer is not None else None
+            checks = guard if guard.writes or guard.live else None
+            mode = self.mode_type()(replay=replay, replayer=replayer, trace=trace, guard=checks)
             stack.enter_context(mode)
         return call, pack
 

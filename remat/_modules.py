@@ -1132,8 +1132,8 @@ class ModuleState:
     def _viewing(self) -> dict[int, int]:
         """Slots the recompute copies that share memory with another such slot (a view of a
         buffer passed as an argument; a parameter tied in two modules), each with the one
-        whose copy it views the same way: the largest (a module's before an argument's). A
-        tensor that requires grad shares only with itself (its copy is a leaf)."""
+        whose copy it views the same way: a module's (the largest). A tensor that requires
+        grad shares only with itself (its copy is a leaf)."""
         slots, groups = self.slots, collections.defaultdict(list)
         for i in self.snapshots:
             t = slots[i].tensor
@@ -1141,66 +1141,64 @@ class ModuleState:
                 groups[(True, id(t)) if t.requires_grad else (False, _storage(t))].append(i)
         viewing: dict[int, int] = {}
         for group in groups.values():
-            base = max(group, key=lambda i: (slots[i].tensor.numel(), slots[i].table is not None))
+            base = max(group, key=lambda i: (slots[i].table is not None, slots[i].tensor.numel()))
             viewing.update((i, base) for i in group if i != base)
         return viewing
 
     def _stand_ins(
         self, made: dict[int, torch.Tensor], copies: list[tuple[torch.Tensor, torch.Tensor, int]]
     ) -> list[tuple[Any, Any, Any]]:
-        """Where the forward could find a tensor sharing memory with a slot the recompute
-        copies (``made``) outside its table: a module's attributes (HF's rotary embedding
-        keeps its buffer as one) and the `places` ``fn`` reaches, as the forward began, and
-        the lists, tuples, dicts, deques (and their subclasses) and plain objects these hold
-        at any depth. Swaps that put the same view of the copy there, a tuple holding one
-        rebuilt in its holder; adds the views to ``copies``."""
+        """Where the forward found a tensor sharing memory with a slot the recompute copies
+        (``made``) outside its table, as it began: a module's attribute (HF's rotary
+        embedding keeps its buffer as one), a place ``fn`` reaches (a closure cell, a
+        global, a dict's entry), the contents of the lists, dicts and deques (and their
+        subclasses) that modules hold or that lead ``fn`` to a tensor (`places`), and the
+        tuples these hold. Swaps that put the same view of the copy there (a tuple holding
+        one rebuilt); adds the views to ``copies``. Anywhere else (a set, a plain object's
+        attribute), the recompute reads what the forward left, where its guard checks that
+        the copy holds the same (`WriteGuard.before_read`)."""
         slots = self.slots
-        copied = {_storage(slots[i].tensor): i for i in made}
-        entries = {id(holder): value for holder, key, value in self.places if key is _CONTENTS}
+        copied = {memory: i for i in made if (memory := _storage(slots[i].tensor))}
         memo: dict[int, Any] = {}
         swaps: list[tuple[Any, Any, Any]] = []
 
-        def stand_in(value: Any, where: str) -> Any:
-            if type(value) in _ATOMS:
-                return value
+        def stand_in(value: Any) -> Any:
+            """``value`` as the recompute sees it (containers are places of their own)."""
             if id(value) in memo:
                 return memo[id(value)]
-            memo[id(value)] = value  # (a cycle meets it as it is)
-            if isinstance(value, torch.Tensor):
-                i = copied.get(_storage(value))
-                if i is not None:
-                    memo[id(value)] = _alias(made[i], slots[i], value, where)
-                    if memo[id(value)] is not made[i]:
-                        copies.append((memo[id(value)], value, slots[i].version))
-            elif isinstance(value, tuple):
-                items = [stand_in(item, where) for item in value]
+            now = value
+            i = copied.get(_storage(value)) if isinstance(value, torch.Tensor) else None
+            if i is not None:
+                now = _alias(made[i], slots[i].tensor, value)
+                if now is None:
+                    now = value  # (another dtype, other memory: the guard checks its reads)
+                elif now is not made[i]:
+                    copies.append((now, value, slots[i].version))
+            elif isinstance(value, tuple) and _may_hold(value):
+                items = list(map(stand_in, value))
                 if any(map(operator.is_not, items, value)):
-                    memo[id(value)] = _rebuilt(value, items, where)
-            elif isinstance(value, _CONTAINERS):
-                entry = entries.get(id(value))
-                entry = _get(value, _CONTENTS) if entry is None else entry
-                pairs = list(entry.items() if isinstance(entry, dict) else enumerate(entry))
-                now = {key: stand_in(item, where) for key, item in pairs}
-                if any(now[key] is not item for key, item in pairs):
-                    contents = now if isinstance(entry, dict) else tuple(now.values())
-                    swaps.append((value, _CONTENTS, contents))
-            elif not isinstance(value, _OPAQUE) and type(getattr(value, "__dict__", 0)) is dict:
-                table = vars(value)  # a plain object's attributes
-                for name, item in list(table.items()):
-                    if stand_in(item, where) is not item:
-                        swaps.append((table, name, memo[id(item)]))
-            return memo[id(value)]
+                    now = _rebuilt(value, items)
+            memo[id(value)] = now
+            return now
 
-        for (module, _), table, entry in zip(self.modes, *self.attributes, strict=True):
-            for name in entry.keys() - _MODULE_OWN:
-                where = f"`{name}` of {type(module).__name__}"
-                if stand_in(entry[name], where) is not entry[name]:
-                    swaps.append((table, name, memo[id(entry[name])]))
         for holder, key, value in self.places:
-            if key is _CONTENTS:
-                stand_in(holder, "a container `fn` reaches")
-            elif stand_in(value, "a tensor `fn` reaches") is not value:
-                swaps.append((holder, key, memo[id(value)]))
+            if key is not _CONTENTS:
+                if stand_in(value) is not value:
+                    swaps.append((holder, key, memo[id(value)]))
+                continue
+            items = list(value.values() if isinstance(value, dict) else value)
+            if not _may_hold(items):
+                continue
+            now = list(map(stand_in, items))
+            if any(map(operator.is_not, now, items)):
+                if isinstance(value, dict):
+                    swaps.append((holder, _CONTENTS, dict(zip(value, now, strict=True))))
+                else:
+                    swaps.append((holder, _CONTENTS, tuple(now)))
+        for table, entry in zip(*self.attributes, strict=True):
+            for name in entry.keys() - _MODULE_OWN:
+                if stand_in(entry[name]) is not entry[name]:
+                    swaps.append((table, name, memo[id(entry[name])]))
         return swaps
 
     @contextlib.contextmanager
@@ -1312,7 +1310,12 @@ class ModuleState:
                 )
         for i, base in viewing.items():
             slot = slots[i]
-            made[i] = view = _alias(made[base], slots[base], slot.tensor, f"`{slot.name}`")
+            view = _alias(made[base], slots[base].tensor, slot.tensor)
+            if view is None:  # (not a view of it: a copy of its own)
+                with torch.no_grad():
+                    view = self.snapshots[i].clone()
+                _torch_private.set_version(view, slot.version)
+            made[i] = view
             if view is not made[base]:
                 copies.append((view, slot.tensor, slot.version))
             if slot.table is not None:
@@ -1363,13 +1366,6 @@ _ABSENT = object()
 # `modes` show the recompute what they held).
 _MODULE_OWN = frozenset(vars(nn.Module()))
 _CONTAINERS = (list, dict, collections.deque)
-# Objects whose attributes `ModuleState._stand_ins` does not search: modules (their own
-# slots), code, and optimizers: a step inside ``fn`` would step the copies in the
-# recompute, and leave its state for them behind (keyed by them).
-_OPAQUE = (
-    nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType,
-    types.BuiltinFunctionType, functools.partial, torch.optim.Optimizer,
-)  # fmt: skip
 _NESTING = (*_CONTAINERS, tuple)
 
 
@@ -1414,15 +1410,33 @@ def _rebound(table: dict[str, Any], entry: dict[str, Any]) -> list[tuple[Any, An
     return swaps
 
 
+def _may_hold(items: Any) -> bool:
+    """Whether ``items`` include a tensor or a tuple (their types found natively)."""
+    return any(issubclass(kind, (torch.Tensor, tuple)) for kind in set(map(type, items)))
+
+
+def _kind(holder: Any) -> Any:
+    """The built-in container type whose methods read and write ``holder`` (`_get`, `_put`):
+    a subclass's own (a read-only dict's, a list's that hides entries) are not called."""
+    if isinstance(holder, dict):
+        return collections.OrderedDict if isinstance(holder, collections.OrderedDict) else dict
+    return collections.deque if isinstance(holder, collections.deque) else list
+
+
 def _get(holder: Any, key: Any) -> Any:
     """What a place holds: a closure cell's contents (``key`` None), a dict's entry, a
     list's, deque's or dict's contents (`_CONTENTS`)."""
-    if key is _CONTENTS:
-        return dict(holder) if isinstance(holder, dict) else tuple(holder)
-    try:
-        return holder.cell_contents if type(holder) is types.CellType else holder[key]
-    except (ValueError, KeyError):  # (an empty cell, a deleted entry)
-        return _ABSENT
+    if type(holder) is types.CellType:
+        try:
+            return holder.cell_contents
+        except ValueError:  # (an empty cell)
+            return _ABSENT
+    kind = _kind(holder)
+    if key is not _CONTENTS:
+        return kind.get(holder, key, _ABSENT)  # (a deleted entry)
+    if isinstance(holder, dict):
+        return dict(kind.items(holder))
+    return tuple(kind.__iter__(holder))
 
 
 def _put(holder: Any, key: Any, value: Any) -> None:
@@ -1434,11 +1448,7 @@ def _put(holder: Any, key: Any, value: Any) -> None:
         else:
             holder.cell_contents = value
         return
-    kind: Any = list
-    if isinstance(holder, dict):
-        kind = collections.OrderedDict if isinstance(holder, collections.OrderedDict) else dict
-    elif isinstance(holder, collections.deque):
-        kind = collections.deque
+    kind = _kind(holder)
     if key is not _CONTENTS:
         if value is _ABSENT:
             kind.__delitem__(holder, key)
@@ -1471,39 +1481,36 @@ def _moved(place: tuple[Any, Any, Any]) -> bool:
     return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))
 
 
-def _alias(copy: torch.Tensor, slot: _Slot, t: torch.Tensor, where: str) -> torch.Tensor:
-    """``t``, which shares the memory of ``slot``'s tensor (found at ``where``), as the same
-    view of ``copy``, the recompute's copy of that tensor (with no autograd history where
-    ``t`` has none: a parameter's detached view)."""
-    base = slot.tensor
+def _alias(copy: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+    """``t``, which shares the memory of ``base``, as the same view of ``copy`` (the
+    recompute's copy of ``base``; with no autograd history where ``t`` has none: a
+    parameter's detached view; through its bytes for a view of another dtype). None where
+    it is no such view (memory outside ``base``'s)."""
     if t is base:
         return copy
-    offset = copy.storage_offset() + t.storage_offset() - base.storage_offset()
+    if copy.stride() != base.stride():
+        return None
+    viewed = copy.detach() if copy.requires_grad and not t.requires_grad else copy
     try:
-        if copy.stride() != base.stride():
-            raise RuntimeError("other strides")
-        viewed = copy.detach() if copy.requires_grad and not t.requires_grad else copy
-        return viewed.as_strided(t.shape, t.stride(), offset)
-    except RuntimeError as error:  # (memory outside the slot's tensor)
-        raise RecomputeError(
-            f"`remat`: a tensor at {where} shares memory with `{slot.name}` of "
-            f"{type(slot.module).__name__}, which the forward updates, and is not a view of it "
-            f"({error}). Make it a view of that tensor, or a buffer of its own."
-        ) from None
+        if t.dtype == base.dtype:
+            offset = copy.storage_offset() + t.storage_offset() - base.storage_offset()
+            return viewed.as_strided(t.shape, t.stride(), offset)
+        raw, size = viewed.view(torch.uint8), t.element_size()  # (its bytes, in place)
+        start = t.storage_offset() * size - base.storage_offset() * base.element_size()
+        shape, stride = (*t.shape, size), (*(s * size for s in t.stride()), 1)
+        return raw.as_strided(shape, stride, raw.storage_offset() + start).view(t.dtype)[..., 0]
+    except RuntimeError:  # (memory outside ``base``'s; bytes it cannot view so)
+        return None
 
 
-def _rebuilt(value: tuple[Any, ...], items: list[Any], where: str) -> tuple[Any, ...]:
-    """A tuple like ``value`` holding ``items``: a named tuple's type, or a tuple."""
+def _rebuilt(value: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+    """A tuple like ``value`` holding ``items`` (a named tuple's type); ``value`` itself
+    where its type makes none."""
     kind = type(value)
     if kind is tuple:
         return tuple(items)
-    if hasattr(kind, "_make"):
-        return kind._make(items)
-    raise RecomputeError(
-        f"`remat`: a {kind.__name__} at {where} holds a tensor sharing memory with a module "
-        "tensor the forward updates, and remat cannot make one holding its copy for the "
-        "recompute. Hold it in a tuple, a list or a dict, or read it from its module."
-    )
+    make = getattr(kind, "_make", None)
+    return value if make is None else make(items)
 
 
 def _equal(snapshot: torch.Tensor, t: torch.Tensor) -> bool:
@@ -1526,6 +1533,18 @@ def _same_bytes(snapshot: torch.Tensor, t: torch.Tensor) -> bool:
     return torch.equal(*as_bytes)
 
 
+def _stale(func: Any, t: torch.Tensor) -> RecomputeError:
+    return RecomputeError(
+        f"`remat`: the recompute's {func.overloadpacket} at {source_line()} reads or writes a "
+        f"tensor ({describe_meta(t.shape, t.dtype, t.device)}) that shows the memory of a module "
+        "tensor the forward updated in place, which remat gives the recompute a private copy "
+        "of where it finds it (the module's table, its attributes, and the lists, tuples and "
+        "dicts modules or `fn` hold), and which holds other values than that copy: what the "
+        "forward left, not what it read. Hold it in one of those places, or read it from its "
+        "module."
+    )
+
+
 def _lost(slot: _Slot) -> RecomputeError:
     return RecomputeError(
         f"`remat`: the forward updated module tensor `{slot.name}` of "
@@ -1537,21 +1556,34 @@ def _lost(slot: _Slot) -> RecomputeError:
 
 
 class WriteGuard:
-    """The recompute of a watched forward: refuses to write memory it did not make.
+    """A recompute's guard of the memory that existed before it.
 
-    Memory from before the recompute that it may write: the private copies `pinned`
-    made. Any other write would repeat one the forward made to state remat cannot show
-    the recompute as it was (a tensor reached in a way `reachable` does not follow).
+    Where the forward updated a tensor, the recompute runs on a private copy that `pinned`
+    puts wherever remat finds the tensor. The recompute may still find the tensor itself
+    elsewhere (a set, a plain object's attribute, a closure a module holds: `live`): it may
+    read it only where it holds what the copy holds then (`before_read`), and never write
+    it. The recompute of a watched forward (``writes``) may write no other memory from
+    before it but the copies: any other write would repeat one the forward made to state
+    remat cannot show the recompute as it was (a tensor reached in a way `reachable` does
+    not follow).
     """
 
-    __slots__ = ("local", "made_here")
+    __slots__ = ("live", "local", "made_here", "writes")
 
-    def __init__(
-        self, copies: list[torch.Tensor], made_here: Callable[[torch.Tensor], bool] | None = None
-    ) -> None:
-        self.local = {_storage(_torch_private.unwrap_all(c)) for c in copies}
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        plain = _torch_private.unwrap_all
+        self.local = {_storage(plain(copy)) for copy, _, _ in copies}
+        # The memory of each tensor a copy stands for -> (the largest such copy, the tensor).
+        self.live: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for copy, original, _ in copies:
+            memory = _storage(plain(original))
+            if memory and memory not in self.local:
+                held = self.live.get(memory)
+                if held is None or held[1].numel() < original.numel():
+                    self.live[memory] = (plain(copy), plain(original))
+        self.writes = False
         # A per-op policy's replay knows what the recompute made (`made` is not called).
-        self.made_here = made_here
+        self.made_here: Callable[[torch.Tensor], bool] | None = None
 
     def made(self, out: Any) -> None:
         """The outputs of one op of the recompute."""
@@ -1559,10 +1591,24 @@ class WriteGuard:
             if isinstance(t, torch.Tensor):
                 self.local.add(_storage(t))
 
+    def before_read(self, func: Any, args: Any) -> None:
+        """The recompute runs ``func`` on ``args``: those showing `live` memory must hold
+        what the copy holds there (bitwise; all of it, for a view of another dtype)."""
+        for arg in args:
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(t, torch.Tensor) and _storage(t) in self.live:
+                    copy, original = self.live[_storage(t)]
+                    view = _alias(copy, original, t)
+                    same = view is not None and _same_bytes(view, t)
+                    if not (same or _same_bytes(copy, original)):
+                        raise _stale(func, t)
+
     def before_write(self, func: Any, written: list[torch.Tensor]) -> None:
         for t in written:
             memory = _storage(t)
-            if memory and memory not in self.local:
+            if memory in self.live:
+                raise _stale(func, t)
+            if self.writes and memory and memory not in self.local:
                 if self.made_here is not None and self.made_here(t):
                     continue
                 raise RecomputeError(

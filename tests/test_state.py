@@ -1353,6 +1353,13 @@ class _Box:
         self.t = t
 
 
+class _Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
 class _List(list):  # type: ignore[type-arg]
     pass
 
@@ -1369,42 +1376,63 @@ _HOLDERS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.T
     "list": (lambda t: [t], lambda h: h[0]),
     "tuple": (lambda t: (t,), lambda h: h[0]),
     "dict": (lambda t: {"t": t}, lambda h: h["t"]),
-    "object": (_Box, lambda h: h.t),
     "list subclass": (lambda t: _List([t]), lambda h: h[0]),
     "read-only dict subclass": (lambda t: _Frozen(t=t), lambda h: h["t"]),
-    "tuple in a list in an object": (lambda t: _Box([(t, 1)]), lambda h: h.t[0][0]),
+    "tuple in a dict in a list": (lambda t: [{"t": (1, t)}], lambda h: h[0]["t"][1]),
     "view": (lambda t: t[1:], lambda h: h),
     "view in a list": (lambda t: [t[1:]], lambda h: h[0]),
+    "view of another dtype in a list": (
+        lambda t: [t.view(torch.int32)],
+        lambda h: h[0].bitwise_and(255).to(DTYPE) / 256,
+    ),
+    # Where remat does not look: the recompute's reads are checked against its copy.
+    "object": (_Box, lambda h: h.t),
+    "object with slots": (_Slotted, lambda h: h.t),
+    "set": (lambda t: {t}, lambda h: next(iter(h))),
+    "closure": (lambda t: [lambda: t], lambda h: h[0]()),
 }
+_NOT_FOUND = ("object", "object with slots", "set", "closure")
 
 
 class _HeldStatistic(nn.Module):
     """Holds its batch norm's running mean in a container or an object, read (or passed to
-    the forward and read) before and after the norm updates it."""
+    the forward and read) before and after the norm updates it, or only after."""
 
-    def __init__(self, holder: str) -> None:
+    def __init__(self, holder: str, before: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.child = _Normed()
         make, self.read = _HOLDERS[holder]
         self.held = make(self.child.running)
+        self.before = before
 
     def forward(self, x: torch.Tensor, held: Any = None) -> torch.Tensor:
         held = self.held if held is None else held
-        before = self.read(held).sum()
+        before = self.read(held).sum() if self.before else 0
         return self.child(x * (1 + before)).tanh() * self.read(held).sum()
 
 
-@pytest.mark.parametrize("passed", [False, True], ids=["held", "passed"])
-@pytest.mark.parametrize("holder", _HOLDERS)
+@pytest.mark.parametrize(
+    ("holder", "passed", "before"),
+    [
+        pytest.param(holder, passed, before, id=f"{holder}-{where}-read {when}")
+        for holder in _HOLDERS
+        for passed, where in ((False, "held"), (True, "passed"))
+        for before, when in ((True, "before and after"), (False, "after"))
+        if before or holder in _NOT_FOUND
+    ],
+)
 @each_policy
-def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed):
-    """A batch norm's running mean that a module holds in a list, tuple, dict, object or
-    a subclass of one (or a view of it), read before and after the norm updates it in
+def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed, before):
+    """A batch norm's running mean that a module holds in a list, tuple, dict or a subclass
+    of one, at any depth (or a view of it), read before and after the norm updates it in
     training, or passed to the forward so (a view made at each call): plain's training; the
     recompute finds the same view of its copy there. It read the updated buffer there, or a
-    copy of the view the norm's update did not reach (other gradients under every policy
-    but ``save_everything``, with no error)."""
+    copy of the view the update did not reach (other gradients under every policy but
+    ``save_everything``, with no error). Held where remat does not look (an object, a set,
+    a closure a module holds): read only after the update, plain's training (the
+    recompute reads what its copy holds); read before, a ``RecomputeError``. (A closure
+    passed to ``fn`` is followed, as ``fn``'s own are.)"""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1418,8 +1446,13 @@ def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed):
             model.zero_grad()
         return results
 
-    kept = remat.apply(_HeldStatistic(holder), policy=policy)
-    assert_tree_equal(train(kept), train(_HeldStatistic(holder)))
+    kept = remat.apply(_HeldStatistic(holder, before), policy=policy)
+    found = holder not in _NOT_FOUND or (holder == "closure" and passed)  # (`reachable`'s)
+    if not found and before and policy != "save_everything":
+        with pytest.raises(remat.RecomputeError, match="shows the memory of a module tensor"):
+            train(kept)
+    else:
+        assert_tree_equal(train(kept), train(_HeldStatistic(holder, before)))
 
 
 class _Renormed(nn.Module):
