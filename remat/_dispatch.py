@@ -74,6 +74,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         self.rng = rng  # a watched forward's, not capturing per op: it notes random ops
         self.keeper, self.replayer = keeper, replayer
         self.watch, self.guard = watch, guard  # the forward's and the recompute's, first calls
+        self.reads = guard if guard is not None and guard.live else None  # (checked per op)
         self.checks = watch is not None or guard is not None or trace is not None
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
         self.run, self.passed = self._run, self._passed  # bound once: handed on for every op
@@ -99,8 +100,8 @@ class OpMode(_torch_private.TorchDispatchMode):
             return out
         if self.watch is not None and self.watch.statistics:
             self.watch.before_read(func, args)
-        if self.guard is not None and self.guard.live:
-            self.guard.before_read(func, args)
+        if self.reads is not None:
+            self.reads.before_read(func, args)
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
         if self.replayer is not None:
