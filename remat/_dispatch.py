@@ -101,7 +101,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         if self.watch is not None and self.watch.statistics:
             self.watch.before_read(func, args)
         if self.reads is not None:
-            self.reads.before_read(func, args)
+            self.reads.before_read(func, (*args, *kwargs.values()))
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
         if self.replayer is not None:

@@ -396,7 +396,7 @@ class _Setting:
         replant = stack.enter_context(self.levels.restore(tensors))
         wrap = functools.partial(self.levels.wrap, replant)
         copies = stack.enter_context(self.modules.pinned(wrap)) if self.modules else []
-        guard = WriteGuard(copies)  # (what it checks: below)
+        guard = WriteGuard(copies, self.modules.unread() if self.modules else set())
         # With private copies of what the forward updated, the recompute's reads of the
         # memory they stand for are checked, under the mode.
         moded = self.moded(recompute=True) or bool(guard.live)

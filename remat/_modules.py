@@ -981,6 +981,10 @@ class ModuleState:
             return None
         return state
 
+    def unread(self) -> set[int]:
+        """The tensors whose recompute copies are scratch memory (`_write_only`): ids."""
+        return {id(self.slots[i].tensor) for i in self.scratch}
+
     def restored(self) -> set[int]:
         """The lists, dicts and deques whose whole contents the recompute shows as the
         forward began (`pinned`), and gives back after it: ids."""
@@ -1495,7 +1499,8 @@ def _alias(copy: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.Ten
         if t.dtype == base.dtype:
             offset = copy.storage_offset() + t.storage_offset() - base.storage_offset()
             return viewed.as_strided(t.shape, t.stride(), offset)
-        raw, size = viewed.view(torch.uint8), t.element_size()  # (its bytes, in place)
+        flat = viewed.unsqueeze(0) if viewed.dim() == 0 else viewed
+        raw, size = flat.view(torch.uint8), t.element_size()  # (its bytes, in place)
         start = t.storage_offset() * size - base.storage_offset() * base.element_size()
         shape, stride = (*t.shape, size), (*(s * size for s in t.stride()), 1)
         return raw.as_strided(shape, stride, raw.storage_offset() + start).view(t.dtype)[..., 0]
@@ -1529,7 +1534,7 @@ def _same_bytes(snapshot: torch.Tensor, t: torch.Tensor) -> bool:
     versions, write one)."""
     if t.layout is not torch.strided or t.is_nested or t.is_meta:
         return True
-    as_bytes = [x.contiguous().view(torch.uint8) for x in (snapshot, t)]
+    as_bytes = [x.contiguous().reshape(-1).view(torch.uint8) for x in (snapshot, t)]
     return torch.equal(*as_bytes)
 
 
@@ -1570,14 +1575,17 @@ class WriteGuard:
 
     __slots__ = ("live", "local", "made_here", "writes")
 
-    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    def __init__(
+        self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], unread: set[int]
+    ) -> None:
         plain = _torch_private.unwrap_all
         self.local = {_storage(plain(copy)) for copy, _, _ in copies}
-        # The memory of each tensor a copy stands for -> (the largest such copy, the tensor).
+        # The memory of each tensor a copy stands for -> (the largest such copy, the tensor);
+        # not of those ``unread`` (ids: scratch copies, of what no op but its writer reads).
         self.live: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for copy, original, _ in copies:
             memory = _storage(plain(original))
-            if memory and memory not in self.local:
+            if memory and memory not in self.local and id(original) not in unread:
                 held = self.live.get(memory)
                 if held is None or held[1].numel() < original.numel():
                     self.live[memory] = (plain(copy), plain(original))

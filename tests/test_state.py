@@ -1455,6 +1455,51 @@ def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed, be
         assert_tree_equal(train(kept), train(_HeldStatistic(holder, before)))
 
 
+class _Permuted(nn.Module):
+    """Holds in an object a 0-dim count and a permutation it updates in place, read there
+    after (the count) and before (the permutation, as a keyword argument) the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.register_buffer("count", torch.zeros((), dtype=DTYPE))
+        self.register_buffer("perm", torch.arange(6))
+        self.box = _Box(self.count)
+        self.box.perm = self.perm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        edges = torch.linspace(-1, 1, 6, dtype=DTYPE)[self.perm.argsort()]
+        index = torch.searchsorted(edges, x.detach(), sorter=self.box.perm)
+        with torch.no_grad():
+            self.count.add_(1)
+            self.perm.copy_(self.perm.roll(1))
+        return self.linear(x * index.to(DTYPE) * self.box.t).tanh()
+
+
+@each_policy
+def test_updated_buffers_read_through_an_object_as_keywords_or_0_dim(policy):
+    """A 0-dim buffer read through an object after its update crashed the recompute's
+    check (``view`` as bytes); a buffer read through an object before its update, as a
+    keyword argument, was not checked (other gradients, no error): a ``RecomputeError``."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.linear.weight.grad.clone(), model.count.clone()]
+            model.zero_grad()
+        return results
+
+    kept = remat.apply(_Permuted(), policy=policy)
+    if policy == "save_everything":
+        assert_tree_equal(train(kept), train(_Permuted()))
+    else:
+        with pytest.raises(remat.RecomputeError):
+            train(kept)
+
+
 class _Renormed(nn.Module):
     """Scales a weight in place in its forward (a renorm), which a second linear layer ties,
     or which a detached view of it, kept as an attribute, shows (read before and after)."""
