@@ -1500,6 +1500,48 @@ def test_updated_buffers_read_through_an_object_as_keywords_or_0_dim(policy):
             train(kept)
 
 
+class _Listed(nn.Module):
+    """Reads its batch norm's running mean through an object, outside aten, before the
+    norm updates it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = _Normed()
+        self.box = _Box(self.child.running)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1 + sum(self.box.t.tolist())
+        return self.child(x * scale).tanh()
+
+
+@each_policy
+def test_an_updated_buffer_read_outside_aten_through_an_object(policy):
+    """docs/limitations.md: the recompute's check sees reads through aten only; read
+    outside it, the default policy's gradients differ from plain's, with no error; the
+    per-op policies raise (they see the values the recompute rebuilt differ)."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.child.linear.weight.grad.clone()]
+            model.zero_grad()
+        return results
+
+    expected = train(_Listed())
+    kept = remat.apply(_Listed(), policy=policy)
+    if policy == "save_everything":
+        assert_tree_equal(train(kept), expected)
+    elif policy == "save_nothing":
+        got = train(kept)
+        assert not all(map(torch.equal, got, expected)), "docs/limitations.md says otherwise"
+    else:
+        with pytest.raises(remat.RecomputeError):
+            train(kept)
+
+
 class _Renormed(nn.Module):
     """Scales a weight in place in its forward (a renorm), which a second linear layer ties,
     or which a detached view of it, kept as an attribute, shows (read before and after)."""
