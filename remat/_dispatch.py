@@ -13,6 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
 from ._keep import DIVERGED, Keeper
@@ -21,7 +24,7 @@ from ._provenance import _OPS, Op, op_info, written
 from ._replayer import Replayer
 from ._rng import RngCapture, RngReplay, threaded
 
-__all__ = ["QUIET", "GuardedOpMode", "OpMode"]
+__all__ = ["QUIET", "GuardedOpMode", "LiveReads", "OpMode", "ReadsOutsideAten"]
 
 
 class _Local(threading.local):
@@ -168,3 +171,56 @@ class GuardedOpMode(OpMode):
 
     # Its own entry, which torch wraps so that Dynamo does not trace it (`__init_subclass__`).
     __torch_dispatch__ = OpMode.__torch_dispatch__
+
+
+class LiveReads(TorchFunctionMode):
+    """A recompute's torch calls, where it has private copies of tensors the forward read
+    and updated (`WriteGuard.live`): a tensor argument showing such memory is given as the
+    same view of the copy (`WriteGuard.standing`), wherever the region found it (a set, a
+    plain object's attribute), and so is one read outside aten (``.tolist()``,
+    ``.numpy()``, ``data_ptr()``). Attribute access (``.grad``, ``.data``) is the tensor's
+    own; what it yields is given so when a call reads it."""
+
+    def __init__(self, guard: WriteGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in ("__get__", "__set__"):
+            with _torch_private.torch_functions_off(), QUIET:
+                args = self.guard.standing(args)
+                if kwargs:
+                    kwargs = dict(
+                        zip(kwargs, self.guard.standing(tuple(kwargs.values())), strict=True)
+                    )
+        return func(*args, **kwargs)
+
+
+# The tensor methods that read values outside aten: no dispatch mode sees what they read.
+_OUTSIDE_ATEN = frozenset(
+    (
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.__array__,
+        torch.Tensor.data_ptr,
+        torch.Tensor.__dlpack__,
+    )
+)
+
+
+class ReadsOutsideAten(TorchFunctionMode):
+    """A watched forward's reads outside aten (``.tolist()``, ``.numpy()``, a pointer): of
+    batch norm's running statistics, they are learned as reads
+    (`ModuleState.before_read`), as `OpMode` learns aten's, so that the recompute gives
+    them a copy, not scratch memory."""
+
+    def __init__(self, watch: ModuleState) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _OUTSIDE_ATEN:
+            with _torch_private.torch_functions_off():
+                self.watch.before_read(func, args)
+        return func(*args, **(kwargs or {}))

@@ -25,7 +25,7 @@ import optree
 import torch
 
 from . import _functorch, _introspect, _torch_private
-from ._dispatch import QUIET, GuardedOpMode, OpMode
+from ._dispatch import QUIET, GuardedOpMode, LiveReads, OpMode, ReadsOutsideAten
 from ._errors import (
     RecomputeError,
     TraceEntry,
@@ -427,6 +427,9 @@ class _Setting:
         _autocast(stack, self.autocast)
         if self.cache[0] or _torch_private.parametrization_cache()[0]:
             stack.enter_context(_torch_private.parametrization_cache_set(self.cache))
+        if guard.live:  # (below the forward's function modes: they see what its calls saw)
+            guard.stand_in = replayer.stand_in if replayer is not None else None
+            stack.enter_context(LiveReads(guard))
         for function_mode in self.function_modes:
             stack.enter_context(function_mode)
         if _torch_private.subclass_functions_enabled() != self.functions:
@@ -522,10 +525,19 @@ class Region:
         if rng is not None:
             rng.start(setting.generators)
         closures = self.levels.watch_closures(self.tensors)
+        outside: contextlib.AbstractContextManager[Any] = _NOTHING
+        if (
+            moded
+            and setting.modules is not None
+            and setting.watching
+            and setting.modules.statistics
+        ):
+            outside = ReadsOutsideAten(setting.modules)
         self.running = True
         with running, enabled, hooks, self.mode or _NOTHING, closures:
             try:
-                out = self.fn(*self.call[0], **self.call[1])
+                with outside:  # (``fn``'s calls only: remat's own read pointers below)
+                    out = self.fn(*self.call[0], **self.call[1])
             finally:
                 self.running = False
             if rng is not None:

@@ -1542,11 +1542,11 @@ def _stale(func: Any, t: torch.Tensor) -> RecomputeError:
     return RecomputeError(
         f"`remat`: the recompute's {func.overloadpacket} at {source_line()} reads or writes a "
         f"tensor ({describe_meta(t.shape, t.dtype, t.device)}) that shows the memory of a module "
-        "tensor the forward updated in place, which remat gives the recompute a private copy "
-        "of where it finds it (the module's table, its attributes, and the lists, tuples and "
-        "dicts modules or `fn` hold), and which holds other values than that copy: what the "
-        "forward left, not what it read. Hold it in one of those places, or read it from its "
-        "module."
+        "tensor the forward updated in place, and holds other values than the recompute's "
+        "private copy of it (what the forward left, not what it read). remat gives torch calls "
+        "the copy in its place, but not this one: it ran with torch functions disabled, or "
+        "under a torch.func transform, or viewed that memory in a way the copy cannot. Read "
+        "it from its module (or with torch functions enabled)."
     )
 
 
@@ -1565,15 +1565,17 @@ class WriteGuard:
 
     Where the forward updated a tensor, the recompute runs on a private copy that `pinned`
     puts wherever remat finds the tensor. The recompute may still find the tensor itself
-    elsewhere (a set, a plain object's attribute, a closure a module holds: `live`): it may
-    read it only where it holds what the copy holds then (`before_read`), and never write
-    it. The recompute of a watched forward (``writes``) may write no other memory from
-    before it but the copies: any other write would repeat one the forward made to state
-    remat cannot show the recompute as it was (a tensor reached in a way `reachable` does
-    not follow).
+    elsewhere (a set, a plain object's attribute, a closure a module holds: `live`): each
+    torch call is given the same view of the copy instead (`standing`, from the recompute's
+    function mode), reads outside aten (``.tolist()``) too. An op that still shows that
+    memory (a call made with torch functions disabled) may read it only where it holds what
+    the copy holds then (`before_read`), and never write it. The recompute of a watched
+    forward (``writes``) may write no other memory from before it but the copies: any other
+    write would repeat one the forward made to state remat cannot show the recompute as it
+    was (a tensor reached in a way `reachable` does not follow).
     """
 
-    __slots__ = ("live", "local", "made_here", "writes")
+    __slots__ = ("live", "local", "made_here", "stand_in", "views", "writes")
 
     def __init__(
         self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], unread: set[int]
@@ -1590,8 +1592,50 @@ class WriteGuard:
                 if held is None or held[1].numel() < original.numel():
                     self.live[memory] = (plain(copy), plain(original))
         self.writes = False
-        # A per-op policy's replay knows what the recompute made (`made` is not called).
+        # A per-op policy's replay knows what the recompute made (`made` is not called), and
+        # is told what each view of a copy stands for (`Replayer.stand_in`).
         self.made_here: Callable[[torch.Tensor], bool] | None = None
+        self.stand_in: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (it, its view)
+
+    def standing(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``values`` (a torch call's arguments; lists and tuples in them too), where a tensor
+        shows `live` memory, with the same view of its copy in its place (`_alias`): what
+        the forward read or wrote there. One that is no such view (other memory, a
+        torch.func wrapper) stays, for `before_read`. Run with remat's ops quiet."""
+        changed: list[Any] | None = None
+        for i, value in enumerate(values):
+            now: Any
+            if isinstance(value, torch.Tensor):
+                now = self._view(value)
+            elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+                items = [self._view(t) if isinstance(t, torch.Tensor) else t for t in value]
+                now = value if all(map(operator.is_, items, value)) else type(value)(items)
+            else:
+                continue
+            if now is not value:
+                changed = changed or list(values)
+                changed[i] = now
+        return values if changed is None else tuple(changed)
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        held = self.views.get(id(t))
+        if held is not None and held[0] is t:
+            return held[1]
+        memory = _storage(t)
+        found = self.live.get(memory)
+        if found is None or type(t) not in _PLAIN or _torch_private.unwrap_all(t) is not t:
+            return t  # (a subclass, a torch.func wrapper: checked by `before_read`)
+        copy, original = found
+        if _storage(copy) == memory:  # (``.data`` assigned it that memory)
+            return t
+        view = _alias(copy, original, t)
+        if view is None:
+            return t
+        if view is not copy and self.stand_in is not None:
+            self.stand_in(view, t, view._version)
+        self.views[id(t)] = (t, view)  # (one view per tensor: read twice, one tensor)
+        return view
 
     def made(self, out: Any) -> None:
         """The outputs of one op of the recompute."""

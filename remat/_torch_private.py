@@ -87,6 +87,7 @@ __all__ = [
     "subclass_functions_enabled",
     "function_modes",
     "subclass_functions",
+    "torch_functions_off",
 ]
 
 
@@ -653,6 +654,13 @@ def subclass_functions(enabled: bool) -> contextlib.AbstractContextManager[Any]:
     if subclass_functions_enabled() == enabled:
         return contextlib.nullcontext()
     return torch._C._EnableTorchFunction() if enabled else torch._C.DisableTorchFunctionSubclass()
+
+
+def torch_functions_off() -> contextlib.AbstractContextManager[Any]:
+    """Within the block, no torch function mode or subclass ``__torch_function__`` runs:
+    for remat's own calls inside its function mode, which the modes below it (the
+    user's) must not see; torch has no public spelling of it."""
+    return torch._C.DisableTorchFunction()
 
 
 def parametrization_cache() -> tuple[int, dict[Any, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import ctypes
 import functools
 import re
 from collections.abc import Callable
@@ -1353,7 +1354,7 @@ class _Box:
         self.t = t
 
 
-class _Slotted:
+class _SlottedBox:
     __slots__ = ("t",)
 
     def __init__(self, t: torch.Tensor) -> None:
@@ -1385,13 +1386,25 @@ _HOLDERS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.T
         lambda t: [t.view(torch.int32)],
         lambda h: h[0].bitwise_and(255).to(DTYPE) / 256,
     ),
-    # Where remat does not look: the recompute's reads are checked against its copy.
+    # Where remat does not look: the recompute's torch calls get the copy's view.
     "object": (_Box, lambda h: h.t),
-    "object with slots": (_Slotted, lambda h: h.t),
+    "object with slots": (_SlottedBox, lambda h: h.t),
+    "view in an object": (lambda t: _Box(t[1:]), lambda h: h.t),
+    "view of another dtype in an object": (
+        lambda t: _Box(t.view(torch.int32)),
+        lambda h: h.t.bitwise_and(255).to(DTYPE) / 256,
+    ),
     "set": (lambda t: {t}, lambda h: next(iter(h))),
     "closure": (lambda t: [lambda: t], lambda h: h[0]()),
 }
-_NOT_FOUND = ("object", "object with slots", "set", "closure")
+_NOT_FOUND = (
+    "object",
+    "object with slots",
+    "view in an object",
+    "view of another dtype in an object",
+    "set",
+    "closure",
+)
 
 
 class _HeldStatistic(nn.Module):
@@ -1430,9 +1443,9 @@ def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed, be
     recompute finds the same view of its copy there. It read the updated buffer there, or a
     copy of the view the update did not reach (other gradients under every policy but
     ``save_everything``, with no error). Held where remat does not look (an object, a set,
-    a closure a module holds): read only after the update, plain's training (the
-    recompute reads what its copy holds); read before, a ``RecomputeError``. (A closure
-    passed to ``fn`` is followed, as ``fn``'s own are.)"""
+    a closure a module holds): plain's training too, as the recompute's torch calls are
+    given the copy's view (they raised where read before the update, and read the updated
+    buffer before that)."""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1447,12 +1460,7 @@ def test_updated_buffer_held_in_a_container_or_object(policy, holder, passed, be
         return results
 
     kept = remat.apply(_HeldStatistic(holder, before), policy=policy)
-    found = holder not in _NOT_FOUND or (holder == "closure" and passed)  # (`reachable`'s)
-    if not found and before and policy != "save_everything":
-        with pytest.raises(remat.RecomputeError, match="shows the memory of a module tensor"):
-            train(kept)
-    else:
-        assert_tree_equal(train(kept), train(_HeldStatistic(holder, before)))
+    assert_tree_equal(train(kept), train(_HeldStatistic(holder, before)))
 
 
 class _Permuted(nn.Module):
@@ -1493,33 +1501,49 @@ def test_updated_buffers_read_through_an_object_as_keywords_or_0_dim(policy):
         return results
 
     kept = remat.apply(_Permuted(), policy=policy)
-    if policy == "save_everything":
-        assert_tree_equal(train(kept), train(_Permuted()))
-    else:
-        with pytest.raises(remat.RecomputeError):
-            train(kept)
+    assert_tree_equal(train(kept), train(_Permuted()))
 
 
-class _Listed(nn.Module):
-    """Reads its batch norm's running mean through an object, outside aten, before the
-    norm updates it."""
+_OUTSIDE = {
+    "tolist": lambda t: sum(t.tolist()),
+    "numpy": lambda t: float(t.numpy().sum()),
+    "data_ptr": lambda t: float(
+        sum((ctypes.c_double * t.numel()).from_address(t.data_ptr()))  # (contiguous float64)
+    ),
+    "torch functions off": lambda t: _off(lambda: t.sum()),
+    "torch functions off, outside aten": lambda t: _off(lambda: sum(t.tolist())),
+}
 
-    def __init__(self) -> None:
+
+def _off(read: Callable[[], Any]) -> Any:
+    with torch._C.DisableTorchFunction():
+        return read()
+
+
+class _ReadOutside(nn.Module):
+    """Reads its batch norm's running mean through an object before the norm updates it:
+    outside aten, or with torch functions off."""
+
+    def __init__(self, way: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.child = _Normed()
         self.box = _Box(self.child.running)
+        self.read = _OUTSIDE[way]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1 + sum(self.box.t.tolist())
-        return self.child(x * scale).tanh()
+        return self.child(x * (1 + self.read(self.box.t))).tanh()
 
 
+@pytest.mark.parametrize("way", _OUTSIDE)
 @each_policy
-def test_an_updated_buffer_read_outside_aten_through_an_object(policy):
-    """docs/limitations.md: the recompute's check sees reads through aten only; read
-    outside it, the default policy's gradients differ from plain's, with no error; the
-    per-op policies raise (they see the values the recompute rebuilt differ)."""
+def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
+    """A buffer the forward updates, read through an object before the update outside aten
+    (``.tolist()``, ``.numpy()``, a pointer): plain's training (the read gets the copy's
+    view; the default policy's gradients differed with no error). docs/limitations.md: read
+    with torch functions off, the recompute reads the updated buffer: through an aten op it
+    raises naming it; outside aten, the default policy's gradients differ with no error
+    (the per-op policies see the values rebuilt differ, and raise)."""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1530,10 +1554,13 @@ def test_an_updated_buffer_read_outside_aten_through_an_object(policy):
             model.zero_grad()
         return results
 
-    expected = train(_Listed())
-    kept = remat.apply(_Listed(), policy=policy)
-    if policy == "save_everything":
+    expected = train(_ReadOutside(way))
+    kept = remat.apply(_ReadOutside(way), policy=policy)
+    if policy == "save_everything" or not way.startswith("torch functions off"):
         assert_tree_equal(train(kept), expected)
+    elif way == "torch functions off":
+        with pytest.raises(remat.RecomputeError, match=r"aten.sum at .*shows the memory"):
+            train(kept)
     elif policy == "save_nothing":
         got = train(kept)
         assert not all(map(torch.equal, got, expected)), "docs/limitations.md says otherwise"

@@ -796,3 +796,28 @@ def test_parametrization_cache_reads_and_sets_the_cached_block_state():
             assert linear.weight is weight
         assert linear.weight is weight
     assert tp.parametrization_cache() == (0, {})
+
+
+def test_torch_functions_off_hides_calls_from_function_modes_and_subclasses():
+    """Inside `torch_functions_off`, neither a torch function mode nor a subclass's
+    ``__torch_function__`` sees a call; after it, both do again."""
+    seen: list[str] = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append("subclass")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append("mode")
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2).as_subclass(Sub)
+    with Mode():
+        with tp.torch_functions_off():
+            x.tolist()
+        assert seen == []
+        x.tolist()
+    assert seen == ["mode", "subclass"]
