@@ -105,6 +105,17 @@ def scripted(what: str) -> TypeError:
     )
 
 
+def compiled(what: str) -> TypeError:
+    """``what`` is ``torch.compile``'s, which remat cannot run inside a region."""
+    return TypeError(
+        f"`remat` {what} (torch.compile): inside a region, torch runs compiled code eagerly "
+        "while remat's dispatch mode is active, and compiles it again under its function "
+        "modes, so the recompute cannot reproduce what the forward ran, nor remat's forward "
+        "what plain's does. Compile around remat instead: `torch.compile(remat(fn))` traces "
+        "the region into the graph (or `remat.apply` the model, then compile it)."
+    )
+
+
 def node_op(node: Any) -> str:
     """The aten op behind an autograd node (or its name): ``AddmmBackward0`` -> ``aten.addmm``."""
     name = (node if isinstance(node, str) else node.name()).rstrip("0123456789")

@@ -59,6 +59,7 @@ from . import _torch_private
 from ._errors import (
     RecomputeError,
     changed_since_forward,
+    compiled,
     data_replaced,
     describe,
     describe_meta,
@@ -206,6 +207,8 @@ def reachable(fn: Callable[..., Any], leaves: list[Any]) -> Reached:
         elif callable(obj) and not isinstance(obj, (type, torch.Tensor)):
             stack.extend(_callable_parts(obj))
             if kind is types.FunctionType:
+                if _torch_private.compiled(obj):
+                    raise compiled(f"reached a compiled function `{obj.__qualname__}`")
                 reached.places.extend(_names_read(obj))
         else:
             reached.opaque.append(id(obj))
@@ -649,6 +652,9 @@ def _walk(
     found: list[nn.Module] = []
     held: list[tuple[dict[str, Any], str, nn.Module]] = []
     seen: set[int] = set()
+    for module in modules:
+        if _torch_private.compiled(module):
+            raise compiled(f"reached a compiled {type(module).__name__}")
     stack: list[Any] = modules[::-1]
     while stack:
         module = stack.pop()
@@ -662,6 +668,8 @@ def _walk(
                     raise scripted(
                         f"reached TorchScript {kind} `{name}` of {type(module).__name__}"
                     )
+                if _torch_private.compiled(child):
+                    raise compiled(f"reached compiled module `{name}` of {type(module).__name__}")
                 held.append((table, name, child))
             stack.extend(reversed(table.values()))
     return found, held

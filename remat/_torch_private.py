@@ -88,6 +88,7 @@ __all__ = [
     "function_modes",
     "subclass_functions",
     "torch_functions_off",
+    "compiled",
 ]
 
 
@@ -661,6 +662,18 @@ def torch_functions_off() -> contextlib.AbstractContextManager[Any]:
     for remat's own calls inside its function mode, which the modes below it (the
     user's) must not see; torch has no public spelling of it."""
     return torch._C.DisableTorchFunction()
+
+
+def compiled(obj: Any) -> bool:
+    """Whether ``obj`` is a module or function ``torch.compile`` made (not one
+    ``torch.compiler.disable`` made, which runs eagerly): Dynamo marks both with the
+    callable they wrap, and neither publicly."""
+    if getattr(obj, "_torchdynamo_orig_callable", None) is None:
+        return False
+    if isinstance(obj, torch.nn.Module):
+        frames = sys.modules.get("torch._dynamo.eval_frame")
+        return frames is None or not isinstance(obj.dynamo_ctx, frames.DisableContext)
+    return not getattr(obj, "_torchdynamo_disable", False)
 
 
 def parametrization_cache() -> tuple[int, dict[Any, Any]]:

@@ -12,7 +12,7 @@ import torch
 from . import _hf, _torch_private
 from ._compiled import refuse_budget, traced
 from ._engine import Region, call_plan, flatten_call, running_region
-from ._errors import scripted
+from ._errors import compiled, scripted
 from ._modules import ModuleState, owner_of, reachable
 from ._policies import OpCall, Policy, resolve
 
@@ -125,6 +125,8 @@ def remat(
         )
     if isinstance(fn, (torch.jit.ScriptModule, torch.jit.ScriptFunction, torch._C.ScriptMethod)):
         raise scripted(f"got a TorchScript {type(fn).__name__}")
+    if _torch_private.compiled(fn):
+        raise compiled("got a compiled function or module")
     if not callable(fn):
         raise TypeError(
             f"`remat` expected a callable `fn`, got {fn!r} of type {type(fn).__name__}. "

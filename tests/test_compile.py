@@ -242,22 +242,65 @@ def test_compiled_func_grad_over_regions_equals_eager(policy):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
-def test_region_around_a_compiled_block_replays_its_dropout():
-    """The other nesting, remat(torch.compile(block)): RNG capture on, dropout on, the
-    compiled block's outputs and gradients bitwise."""
-    block = _model(_plain).blocks[0]
-    compiled = torch.compile(block, backend="aot_eager")
+_COMPILED = torch.compile(torch.sin, backend="aot_eager")
+
+
+class _HoldsCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.compile(nn.Linear(4, 4), backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).tanh()
+
+
+def _names_compiled(x: torch.Tensor) -> torch.Tensor:
+    return _COMPILED(x).cos()
+
+
+def _applied_to_compiled(x: torch.Tensor) -> torch.Tensor:
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    block[0] = torch.compile(block[0], backend="aot_eager")
+    return remat.apply(block, lambda name, _: name == "0")(x)
+
+
+_REGIONS_WITH_COMPILED_CODE = {
+    "fn": lambda x: remat.remat(torch.compile(torch.cos, backend="aot_eager")),
+    "apply": _applied_to_compiled,
+    "child": lambda x: remat.apply(_HoldsCompiled())(x),
+    "global": lambda x: remat.remat(_names_compiled)(x),
+    "closure": lambda x: remat.remat(lambda y: _COMPILED(y) * 2)(x),
+}
+
+
+@pytest.mark.parametrize("where", _REGIONS_WITH_COMPILED_CODE)
+def test_compiled_code_inside_a_region_raises(where):
+    """The other nesting, remat(torch.compile(block)), and compiled code a region reaches
+    (a submodule, a function its code names or closes over): a TypeError naming it, at
+    remat(...) or the first call. It gave other gradients than the compiled block's with
+    no error (inductor), or a RecomputeError on later steps: torch runs compiled code
+    eagerly under remat's dispatch mode and compiles it again under its function modes."""
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match=r"(?s)compiled .*torch.compile\(remat\(fn\)\)"):
+        _REGIONS_WITH_COMPILED_CODE[where](x)
+
+
+def test_disabled_code_inside_a_region_runs_as_plain():
+    """What torch.compiler.disable wraps runs eagerly, and so is not refused."""
+    torch.manual_seed(0)
+    block = nn.Sequential(torch.compiler.disable(nn.Linear(4, 4)), nn.Dropout(0.5))
+    disabled = torch.compiler.disable(torch.sin)
 
     def run(f):
         block.zero_grad(set_to_none=True)
         torch.manual_seed(5)
-        out = f(_input())
+        out = f(torch.ones(2, 4))
         out.square().sum().backward()
         return out.detach(), [p.grad for p in block.parameters()]
 
-    (out, grads), (expected, expected_grads) = run(remat.remat(compiled)), run(compiled)
-    assert torch.equal(out, expected)
-    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+    assert_tree_equal(
+        run(remat.remat(lambda x: disabled(block(x)))), run(lambda x: disabled(block(x)))
+    )
 
 
 def test_memory_track_refuses_a_compiled_function():

@@ -821,3 +821,15 @@ def test_torch_functions_off_hides_calls_from_function_modes_and_subclasses():
         assert seen == []
         x.tolist()
     assert seen == ["mode", "subclass"]
+
+
+def test_compiled_tells_what_torch_compile_made_from_what_disable_made():
+    """`compiled`: a module or function torch.compile made; not one torch.compiler.disable
+    made (it runs eagerly), nor a plain one."""
+    linear = torch.nn.Linear(2, 2)
+    assert tp.compiled(torch.compile(linear))
+    assert tp.compiled(torch.compile(torch.sin))
+    assert not tp.compiled(torch.compiler.disable(linear))
+    assert not tp.compiled(torch.compiler.disable(torch.sin))
+    assert not tp.compiled(linear)
+    assert not tp.compiled(torch.sin)
