@@ -2239,3 +2239,40 @@ def test_closure_counter_the_forward_steps_is_the_forwards_in_the_recompute(poli
         return [*grads, torch.tensor(calls)]
 
     assert_tree_equal(train(functools.partial(remat.remat, policy=policy)), train(lambda f: f))
+
+
+class _WrapsItsBlock(nn.Module):
+    """Holds a block with a batch norm through a `remat` wrapper (a plain function), not as
+    a submodule: or the block itself, for plain's run."""
+
+    def __init__(self, wrap: Callable[..., Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        block = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)).to(DTYPE)
+        self.inner = wrap(block)
+        self.__dict__["norm"] = block[1]  # (to read its statistics; not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.linear(x)).tanh()
+
+
+@each_policy
+def test_a_region_holding_a_block_through_a_remat_wrapper_trains_as_plain(policy):
+    """A module holding a block with a batch norm as ``self.inner = remat(block)``, a plain
+    function, inside an outer region: the outer region finds the block through the
+    wrapper (``__wrapped__``), so its recompute gets copies of the norm's statistics. It
+    raised `RecomputeError` ("writes in place ... num_batches_tracked")."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.linear.weight.grad.clone()]
+            results += [b.clone() for b in model.norm.buffers()]
+            model.zero_grad()
+        return results
+
+    kept = remat.apply(_WrapsItsBlock(functools.partial(remat.remat, policy=policy)), policy=policy)
+    assert_tree_equal(train(kept), train(_WrapsItsBlock(lambda block: block)))
