@@ -169,6 +169,46 @@ def test_a_statistic_read_besides_batch_norm_is_kept(policy, reads):
         helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
 
 
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _ReadsThroughABox(torch.nn.Module):
+    """Reads its batch norm's running mean through a plain object, before the norm, from
+    the call ``reads`` turns it on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn, self.reads = torch.nn.BatchNorm1d(4), False
+        self.box = _Box(self.bn.running_mean)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1 + self.box.t.sum() if self.reads else 1
+        return (self.bn(x) * scale).sin()
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_a_statistic_first_read_through_an_object_in_a_later_call_gives_other_gradients(
+    policy,
+):
+    """docs/limitations.md: a statistic first read in a later call through a plain object
+    (where remat does not look): the recompute reads the updated statistic where the
+    forward read it before the update, and the gradients differ from plain's with no
+    error (read through the module, it raises: above)."""
+    model, plain = _ReadsThroughABox(), _ReadsThroughABox()
+    f = remat.remat(model, policy=policy)
+    x = torch.randn(6, 4, requires_grad=True)
+    for _ in range(3):
+        f(x).sum().backward()
+        plain(x).sum().backward()
+    model.reads = plain.reads = True
+    got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
+    expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
+    assert not all(map(torch.equal, got, expected)), "docs/limitations.md says otherwise"
+
+
 @pytest.mark.parametrize("reads", ["argument", "in-a-list", "batch-norm-in-eval"])
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
 def test_a_statistic_first_read_in_a_later_call_raises_once(policy, reads):
