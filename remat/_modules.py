@@ -672,13 +672,6 @@ def _walk(
                     raise compiled(f"reached compiled module `{name}` of {type(module).__name__}")
                 held.append((table, name, child))
             stack.extend(reversed(table.values()))
-            # A module held through a wrapper function (``self.inner = remat(block)``) is
-            # not in the table, but its state is the region's all the same.
-            for value in vars(module).values():
-                if type(value) is types.FunctionType:
-                    wrapped = getattr(value, "__wrapped__", None)
-                    if isinstance(wrapped, nn.Module):
-                        stack.append(wrapped)
     return found, held
 
 
