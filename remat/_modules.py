@@ -652,8 +652,8 @@ def _walk(
     found: list[nn.Module] = []
     held: list[tuple[dict[str, Any], str, nn.Module]] = []
     seen: set[int] = set()
-    for module in modules:
-        if _torch_private.compiled(module):
+    for module in modules:  # (one compiled in place runs its region when Dynamo falls back)
+        if _torch_private.compiled(module, in_place=False):
             raise compiled(f"reached a compiled {type(module).__name__}")
     stack: list[Any] = modules[::-1]
     while stack:

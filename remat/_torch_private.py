@@ -664,10 +664,13 @@ def torch_functions_off() -> contextlib.AbstractContextManager[Any]:
     return torch._C.DisableTorchFunction()
 
 
-def compiled(obj: Any) -> bool:
+def compiled(obj: Any, in_place: bool = True) -> bool:
     """Whether ``obj`` is a module or function ``torch.compile`` made (not one
-    ``torch.compiler.disable`` made, which runs eagerly): Dynamo marks both with the
-    callable they wrap, and neither publicly."""
+    ``torch.compiler.disable`` made, which runs eagerly), or (``in_place``) a module that
+    ``Module.compile()`` compiled: Dynamo marks the first with the callable they wrap,
+    ``Module.compile()`` sets a private attribute; neither is public."""
+    if in_place and getattr(obj, "_compiled_call_impl", None) is not None:
+        return True
     if getattr(obj, "_torchdynamo_orig_callable", None) is None:
         return False
     if isinstance(obj, torch.nn.Module):

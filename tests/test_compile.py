@@ -246,9 +246,13 @@ _COMPILED = torch.compile(torch.sin, backend="aot_eager")
 
 
 class _HoldsCompiled(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, in_place: bool = False) -> None:
         super().__init__()
-        self.inner = torch.compile(nn.Linear(4, 4), backend="aot_eager")
+        self.inner = nn.Linear(4, 4)
+        if in_place:
+            self.inner.compile(backend="aot_eager")
+        else:
+            self.inner = torch.compile(self.inner, backend="aot_eager")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x).tanh()
@@ -268,6 +272,7 @@ _REGIONS_WITH_COMPILED_CODE = {
     "fn": lambda x: remat.remat(torch.compile(torch.cos, backend="aot_eager")),
     "apply": _applied_to_compiled,
     "child": lambda x: remat.apply(_HoldsCompiled())(x),
+    "child compiled in place": lambda x: remat.apply(_HoldsCompiled(in_place=True))(x),
     "global": lambda x: remat.remat(_names_compiled)(x),
     "closure": lambda x: remat.remat(lambda y: _COMPILED(y) * 2)(x),
 }

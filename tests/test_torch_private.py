@@ -833,3 +833,6 @@ def test_compiled_tells_what_torch_compile_made_from_what_disable_made():
     assert not tp.compiled(torch.compiler.disable(torch.sin))
     assert not tp.compiled(linear)
     assert not tp.compiled(torch.sin)
+    linear.compile()
+    assert tp.compiled(linear)
+    assert not tp.compiled(linear, in_place=False)
