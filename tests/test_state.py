@@ -2251,3 +2251,50 @@ def test_closure_counter_the_forward_steps_is_the_forwards_in_the_recompute(poli
         return [*grads, torch.tensor(calls)]
 
     assert_tree_equal(train(functools.partial(remat.remat, policy=policy)), train(lambda f: f))
+
+
+class _ListsItsBlock(nn.Module):
+    """Holds a block with a batch norm in a plain list of its own (not a ModuleList, not
+    a submodule): where remat does not look."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        self.__dict__["blocks"] = [nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)).to(DTYPE)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.linear(x)).tanh()
+
+
+@each_policy
+def test_a_module_in_a_plain_list_a_module_holds_is_not_found(policy):
+    """docs/limitations.md: a module held in a plain list of a module's own is not found.
+    Its batch norm updated in a watched call raises; first updated in a later call (the
+    first call in evaluation), its statistics are updated twice under the default policy,
+    with no error (the per-op policies raise)."""
+
+    def train(model: nn.Module, first_training: bool) -> list[Any]:
+        results = []
+        norm = model.blocks[0][1]
+        for step in range(3):
+            norm.train(first_training or step > 0)
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.linear.weight.grad.clone(), norm.running_mean.clone()]
+            model.zero_grad()
+        return results
+
+    expected = train(_ListsItsBlock(), first_training=False)
+    if policy == "save_everything":
+        assert_tree_equal(train(remat.apply(_ListsItsBlock(), policy=policy), False), expected)
+        return
+    with pytest.raises(remat.RecomputeError, match="writes in place"):
+        train(remat.apply(_ListsItsBlock(), policy=policy), first_training=True)
+    kept = remat.apply(_ListsItsBlock(), policy=policy)
+    if policy == "save_nothing":
+        got = train(kept, first_training=False)
+        assert not all(map(torch.equal, got, expected)), "docs/limitations.md says otherwise"
+    else:
+        with pytest.raises(remat.RecomputeError):
+            train(kept, first_training=False)
