@@ -901,8 +901,18 @@ class ModuleState:
             state.slots.append(_Slot(owner, None, name, x, x._version, _memory(x)))
         state.inputs = len(state.slots)
         unlearned = [] if seen else [owner]
-        tree, submodules, state.held = _submodules(reached.modules)
+        roots = reached.modules
+        tree, submodules, state.held = _submodules(roots)
         own = list(map(vars, submodules))
+        # Modules held in the modules' own attributes (a plain list of blocks, a wrapper
+        # function as ``self.inner = remat(block)``): the region's all the same. Looked
+        # for at every call, as such attributes change without the tree's tables showing it.
+        extra = _held_modules(own, submodules)
+        while extra:
+            roots = roots + extra
+            tree, submodules, state.held = _submodules(roots)
+            own = list(map(vars, submodules))
+            extra = _held_modules(own, submodules)
         state.attributes = own, list(map(dict.copy, own))
         tables = _hook_tables(submodules)
         state.hooks = tables, None, [(table, set(table)) for table in filter(None, tables)]
@@ -1379,6 +1389,32 @@ _ABSENT = object()
 _MODULE_OWN = frozenset(vars(nn.Module()))
 _CONTAINERS = (list, dict, collections.deque)
 _NESTING = (*_CONTAINERS, tuple)
+
+
+def _held_modules(tables: list[dict[str, Any]], modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules that ``modules``' own attributes (``tables``) hold, outside nn.Module's
+    tables, and are not among them: in lists, tuples, dicts, sets and deques at any depth,
+    through a function that wraps one (``__wrapped__``) or a partial."""
+    known = set(map(id, modules))
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    held = [table[name] for table in tables for name in table.keys() - _MODULE_OWN]
+    while held:
+        value = held.pop()
+        kind = type(value)
+        if kind in _LEAVES or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, nn.Module):
+            if id(value) not in known:
+                found.append(value)
+        elif isinstance(value, (*_NESTING, set, frozenset)):
+            held += value.values() if isinstance(value, dict) else value
+        elif kind is types.FunctionType:
+            held.append(getattr(value, "__wrapped__", None))
+        elif kind is functools.partial:
+            held += [value.func, *value.args, *value.keywords.values()]
+    return found
 
 
 def _contents(tables: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:

@@ -2268,11 +2268,12 @@ class _ListsItsBlock(nn.Module):
 
 
 @each_policy
-def test_a_module_in_a_plain_list_a_module_holds_is_not_found(policy):
-    """docs/limitations.md: a module held in a plain list of a module's own is not found.
-    Its batch norm updated in a watched call raises; first updated in a later call (the
-    first call in evaluation), its statistics are updated twice under the default policy,
-    with no error (the per-op policies raise)."""
+def test_a_module_in_a_plain_list_a_module_holds_trains_as_plain(policy):
+    """A module held in a plain list of a module's own (not a ModuleList, not a
+    submodule): found at every call, so its batch norm's statistics get private copies.
+    Updated in a watched call it raised `RecomputeError`; first updated in a later call
+    (the first call in evaluation), it was updated twice under the default policy, with no
+    error."""
 
     def train(model: nn.Module, first_training: bool) -> list[Any]:
         results = []
@@ -2285,16 +2286,44 @@ def test_a_module_in_a_plain_list_a_module_holds_is_not_found(policy):
             model.zero_grad()
         return results
 
-    expected = train(_ListsItsBlock(), first_training=False)
-    if policy == "save_everything":
-        assert_tree_equal(train(remat.apply(_ListsItsBlock(), policy=policy), False), expected)
-        return
-    with pytest.raises(remat.RecomputeError, match="writes in place"):
-        train(remat.apply(_ListsItsBlock(), policy=policy), first_training=True)
-    kept = remat.apply(_ListsItsBlock(), policy=policy)
-    if policy == "save_nothing":
-        got = train(kept, first_training=False)
-        assert not all(map(torch.equal, got, expected)), "docs/limitations.md says otherwise"
-    else:
-        with pytest.raises(remat.RecomputeError):
-            train(kept, first_training=False)
+    for first_training in (True, False):
+        expected = train(_ListsItsBlock(), first_training)
+        kept = remat.apply(_ListsItsBlock(), policy=policy)
+        assert_tree_equal(train(kept, first_training), expected)
+
+
+class _WrapsItsBlock(nn.Module):
+    """Holds a block with a batch norm through a `remat` wrapper (a plain function), not as
+    a submodule: or the block itself, for plain's run."""
+
+    def __init__(self, wrap: Callable[..., Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6).to(DTYPE)
+        block = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)).to(DTYPE)
+        self.inner = wrap(block)
+        self.__dict__["norm"] = block[1]  # (to read its statistics; not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.linear(x)).tanh()
+
+
+@each_policy
+def test_a_region_holding_a_block_through_a_remat_wrapper_trains_as_plain(policy):
+    """A module holding a block with a batch norm as ``self.inner = remat(block)``, a plain
+    function, inside an outer region: the outer region finds the block through the
+    wrapper (``__wrapped__``), so its recompute gets copies of the norm's statistics. It
+    raised `RecomputeError` ("writes in place ... num_batches_tracked")."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.linear.weight.grad.clone()]
+            results += [b.clone() for b in model.norm.buffers()]
+            model.zero_grad()
+        return results
+
+    kept = remat.apply(_WrapsItsBlock(functools.partial(remat.remat, policy=policy)), policy=policy)
+    assert_tree_equal(train(kept), train(_WrapsItsBlock(lambda block: block)))
