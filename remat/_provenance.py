@@ -181,6 +181,7 @@ class Provenance:
         forward: bool,
         earlier: dict[int, Made] | None = None,
         made_outside: list[torch.Tensor] | None = None,
+        rewrapped: bool = False,
     ) -> None:
         self.made: dict[int, Made] = {}
         # A recompute's: what the forward made (a tensor it cached, still alive, is that).
@@ -204,10 +205,11 @@ class Provenance:
         self.made_outside = made_outside or []
         self.twins: set[int] = set()
         # Made tensors by storage and layout, kept once a tensor subclass that re-wraps
-        # outputs is met: its `as_subclass` alias outlives the op output it aliases.
-        # key -> (storage ref, descriptor prefix, version offset).
+        # outputs is met (from the start in a recompute whose forward met one from
+        # outside, ``rewrapped``): its `as_subclass` alias outlives the op output it
+        # aliases. key -> (storage ref, descriptor prefix, version offset).
         self.shared: dict[Any, tuple[weakref.ref[Any], tuple[Any, ...], int]] | None = (
-            {} if any(map(_torch_private.rewraps_outputs, inputs)) else None
+            {} if rewrapped or any(map(_torch_private.rewraps_outputs, inputs)) else None
         )
 
     def describe(self, t: torch.Tensor, reads: set[int] | None = None) -> Any:

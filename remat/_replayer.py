@@ -73,9 +73,11 @@ class Replayer:
         if keeper.program is not None and not keeper.finished:  # inside a following forward
             keeper._diverge()  # its records so far, for the replay to match against
         self.keeper = keeper
-        made = keeper.provenance.made if keeper.provenance is not None else keeper.made
+        forward = keeper.provenance
+        made = forward.made if forward is not None else keeper.made
+        rewrapped = forward.shared is not None if forward is not None else keeper.rewrapped
         self.provenance = Provenance(
-            unwrapped(inputs), keeper.outside, False, made, keeper.made_outside
+            unwrapped(inputs), keeper.outside, False, made, keeper.made_outside, rewrapped
         )
         self.cursor: dict[int, int] = {}  # id of the table's list of indices -> next
         # saved value's signature -> its handles, last first

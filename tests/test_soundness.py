@@ -879,6 +879,22 @@ def test_trivial_tensor_subclass_input(device, policy, block, shape):
     assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
 
 
+@each_block
+@each_policy
+def test_trivial_tensor_subclass_from_outside(policy, block, shape):
+    """A trivial torch.Tensor subclass the region reads from outside (a closure), not as an
+    argument: plain's outputs and gradients (the per-op policies' recompute did not look
+    for the aliases its outputs re-wrap, and raised: "never rebuilt")."""
+
+    def run(wrap):
+        x, w = _randn(0, *shape), _randn(1, 4, 4, requires_grad=False).as_subclass(_Sub)
+        out = wrap(lambda x: block(x, w) * (1 + w.sum()))(x)
+        out.sin().sum().backward()
+        return out.as_subclass(torch.Tensor), _grads([x])
+
+    assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
+
+
 def _two_tensor_block(x, w):
     h = F.dropout((x @ w).tanh(), 0.5)
     return (h @ w.t()).reshape(-1).view(x.shape[0], -1).sin() * x
