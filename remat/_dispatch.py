@@ -178,8 +178,8 @@ class LiveReads(TorchFunctionMode):
     and updated (`WriteGuard.live`): a tensor argument showing such memory is given as the
     same view of the copy (`WriteGuard.standing`), wherever the region found it (a set, a
     plain object's attribute), and so is one read outside aten (``.tolist()``,
-    ``.numpy()``, ``data_ptr()``). Attribute access (``.grad``, ``.data``) is the tensor's
-    own; what it yields is given so when a call reads it."""
+    ``.numpy()``, ``data_ptr()``), and one through an attribute that views its values
+    (``.data``, ``.T``). Other attributes (``.grad``) are the tensor's own."""
 
     def __init__(self, guard: WriteGuard) -> None:
         super().__init__()
@@ -187,7 +187,10 @@ class LiveReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in ("__get__", "__set__"):
+        name = getattr(func, "__name__", None)
+        if name not in ("__get__", "__set__") or (
+            name == "__get__" and getattr(func.__self__, "__name__", None) in _VALUE_VIEWS
+        ):
             with _torch_private.torch_functions_off(), QUIET:
                 args = self.guard.standing(args)
                 if kwargs:
@@ -196,6 +199,9 @@ class LiveReads(TorchFunctionMode):
                     )
         return func(*args, **kwargs)
 
+
+# The tensor attributes that are views of its values.
+_VALUE_VIEWS = frozenset(("data", "T", "mT", "H", "mH", "real", "imag"))
 
 # The tensor methods that read values outside aten: no dispatch mode sees what they read.
 _OUTSIDE_ATEN = frozenset(

@@ -589,6 +589,7 @@ def _hooks_moved(hooks: tuple[list[dict[Any, Any]], list[int] | None, list[Any]]
 
 
 _PLAIN = frozenset((torch.Tensor, nn.Parameter))
+_DISPATCH = torch.Tensor.__torch_dispatch__  # (a subclass's own holds its values elsewhere)
 
 
 def _planned(
@@ -1668,14 +1669,22 @@ class WriteGuard:
             return held[1]
         memory = _storage(t)
         found = self.live.get(memory)
-        if found is None or type(t) not in _PLAIN or _torch_private.unwrap_all(t) is not t:
-            return t  # (a subclass, a torch.func wrapper: checked by `before_read`)
+        kind = type(t)
+        if (
+            found is None
+            or (kind not in _PLAIN and kind.__torch_dispatch__ is not _DISPATCH)
+            or _torch_private.unwrap_all(t) is not t
+        ):
+            return t  # (a wrapper subclass, a torch.func wrapper: checked by `before_read`)
         copy, original = found
         if _storage(copy) == memory:  # (``.data`` assigned it that memory)
             return t
         view = _alias(copy, original, t)
         if view is None:
             return t
+        if kind not in _PLAIN:  # (a subclass that holds its values: the same subclass)
+            view = view.as_subclass(kind)
+            view.__dict__.update(t.__dict__)
         if view is not copy and self.stand_in is not None:
             self.stand_in(view, t, view._version)
         self.views[id(t)] = (t, view)  # (one view per tensor: read twice, one tensor)
