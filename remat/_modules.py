@@ -908,12 +908,12 @@ class ModuleState:
         # Modules held in the modules' own attributes (a plain list of blocks, a wrapper
         # function as ``self.inner = remat(block)``): the region's all the same. Looked
         # for at every call, as such attributes change without the tree's tables showing it.
-        extra = _held_modules(own, submodules)
+        places, extra = _contents(own, submodules)
         while extra:
             roots = roots + extra
             tree, submodules, state.held = _submodules(roots)
             own = list(map(vars, submodules))
-            extra = _held_modules(own, submodules)
+            places, extra = _contents(own, submodules)
         state.attributes = own, list(map(dict.copy, own))
         tables = _hook_tables(submodules)
         state.hooks = tables, None, [(table, set(table)) for table in filter(None, tables)]
@@ -977,7 +977,7 @@ class ModuleState:
                 _plan(tree, submodules, state, tables, fsdp, generation, start, unlearned[first:])
         if torch.Tensor in attribute_types:
             state._attributes(submodules, unlearned)
-        state.places = reached.places + _contents(own)
+        state.places = reached.places + places
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
@@ -1389,16 +1389,24 @@ _ABSENT = object()
 # `modes` show the recompute what they held).
 _MODULE_OWN = frozenset(vars(nn.Module()))
 _CONTAINERS = (list, dict, collections.deque)
-_NESTING = (*_CONTAINERS, tuple)
 
 
-def _held_modules(tables: list[dict[str, Any]], modules: list[nn.Module]) -> list[nn.Module]:
-    """The modules that ``modules``' own attributes (``tables``) hold, outside nn.Module's
-    tables, and are not among them: in lists, tuples, dicts, sets and deques at any depth,
-    through a function that wraps one (``__wrapped__``) or a partial."""
-    known = set(map(id, modules))
-    found: list[nn.Module] = []
+def _contents(
+    tables: list[dict[str, Any]], modules: list[nn.Module]
+) -> tuple[list[tuple[Any, Any, Any]], list[nn.Module]]:
+    """What ``modules``' own attributes (``tables``; not nn.Module's tables) hold, at any
+    depth, also inside tuples:
+
+    - the lists, dicts and deques (and their subclasses: an ``OrderedDict``, a
+      ``defaultdict``), each with its contents now, as places (`_places`): the recompute
+      sees what the forward read from one that ``fn`` appends to, or that the caller
+      changes before the backward (``cfg["attn"]["t"]``);
+    - the modules not among ``modules``, also in sets, through a function that wraps one
+      (``__wrapped__``) or a partial.
+    """
+    places, found = [], []
     seen: set[int] = set()
+    known: set[int] = set()  # (the modules' ids, once one is met)
     held = [table[name] for table in tables for name in table.keys() - _MODULE_OWN]
     while held:
         value = held.pop()
@@ -1406,39 +1414,23 @@ def _held_modules(tables: list[dict[str, Any]], modules: list[nn.Module]) -> lis
         if kind in _LEAVES or id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, nn.Module):
+        if isinstance(value, tuple):  # (immutable: only what it holds)
+            held += value
+        elif isinstance(value, _CONTAINERS):
+            contents = _get(value, _CONTENTS)
+            places.append((value, _CONTENTS, contents))
+            held += contents.values() if isinstance(contents, dict) else contents
+        elif isinstance(value, nn.Module):
+            known = known or set(map(id, modules))
             if id(value) not in known:
                 found.append(value)
-        elif isinstance(value, (*_NESTING, set, frozenset)):
-            held += value.values() if isinstance(value, dict) else value
+        elif isinstance(value, (set, frozenset)):
+            held += value
         elif kind is types.FunctionType:
             held.append(getattr(value, "__wrapped__", None))
         elif kind is functools.partial:
             held += [value.func, *value.args, *value.keywords.values()]
-    return found
-
-
-def _contents(tables: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:
-    """The lists, dicts and deques (and their subclasses: an ``OrderedDict``, a
-    ``defaultdict``) that modules hold as their own attributes (not nn.Module's tables), and
-    those they hold at any depth, also inside tuples, each with its contents now, as places
-    (`_places`): the recompute sees what the forward read from one that ``fn`` appends to,
-    or that the caller changes before the backward (``cfg["attn"]["t"]``)."""
-    places = []
-    seen: set[int] = set()
-    held = [table[name] for table in tables for name in table.keys() - _MODULE_OWN]
-    while held:
-        value = held.pop()
-        if not isinstance(value, _NESTING) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, tuple):  # (immutable: only what it holds)
-            held += value
-            continue
-        contents = _get(value, _CONTENTS)
-        places.append((value, _CONTENTS, contents))
-        held += contents.values() if isinstance(contents, dict) else contents
-    return places
+    return places, found
 
 
 def _items(tables: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
