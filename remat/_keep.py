@@ -143,7 +143,6 @@ class Keeper:
         "programs",
         "provenance",
         "rebuilt_before",
-        "rewrapped",
         "roots",
         "saved_bytes",
         "sigs",
@@ -182,7 +181,6 @@ class Keeper:
         self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
         self.outside: dict[int, Outside] = {}
         self.made_outside: list[torch.Tensor] = []  # once the forward finished
-        self.rewrapped = False  # whether the forward met a subclass that re-wraps outputs
         self.provenance: Provenance | None = Provenance(
             unwrapped(inputs), self.outside, forward=True
         )
@@ -549,7 +547,6 @@ class Keeper:
         made = self.provenance.made  # type: ignore[union-attr]
         self.made = {key: entry for key, entry in made.items() if entry[0]() is not None}
         self.made_outside = self.provenance.transients(outputs)  # type: ignore[union-attr]
-        self.rewrapped = self.provenance.shared is not None  # type: ignore[union-attr]
         self.provenance, self.keys, self.memories, self.finished = None, {}, {}, True
 
     def _choose(self, outputs: list[torch.Tensor]) -> None:

@@ -181,7 +181,6 @@ class Provenance:
         forward: bool,
         earlier: dict[int, Made] | None = None,
         made_outside: list[torch.Tensor] | None = None,
-        rewrapped: bool = False,
     ) -> None:
         self.made: dict[int, Made] = {}
         # A recompute's: what the forward made (a tensor it cached, still alive, is that).
@@ -205,11 +204,12 @@ class Provenance:
         self.made_outside = made_outside or []
         self.twins: set[int] = set()
         # Made tensors by storage and layout, kept once a tensor subclass that re-wraps
-        # outputs is met (from the start in a recompute whose forward met one from
-        # outside, ``rewrapped``): its `as_subclass` alias outlives the op output it
-        # aliases. key -> (storage ref, descriptor prefix, version offset).
+        # outputs is met (an input, or at the first op that reads one, in both runs: one
+        # from outside is described by its entry in the recompute, not `_aliased`): its
+        # `as_subclass` alias outlives the op output it aliases.
+        # key -> (storage ref, descriptor prefix, version offset).
         self.shared: dict[Any, tuple[weakref.ref[Any], tuple[Any, ...], int]] | None = (
-            {} if rewrapped or any(map(_torch_private.rewraps_outputs, inputs)) else None
+            {} if any(map(_torch_private.rewraps_outputs, inputs)) else None
         )
 
     def describe(self, t: torch.Tensor, reads: set[int] | None = None) -> Any:
@@ -329,6 +329,8 @@ class Provenance:
         if kind in _SELF_DESCRIBING:  # most arguments: cheapest test first
             return value
         if isinstance(value, torch.Tensor):
+            if self.shared is None and _torch_private.rewraps_outputs(value):
+                self.shared = {}
             return self.describe(value, reads)
         if isinstance(value, (list, tuple)):
             for v in value:

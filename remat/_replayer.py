@@ -73,11 +73,9 @@ class Replayer:
         if keeper.program is not None and not keeper.finished:  # inside a following forward
             keeper._diverge()  # its records so far, for the replay to match against
         self.keeper = keeper
-        forward = keeper.provenance
-        made = forward.made if forward is not None else keeper.made
-        rewrapped = forward.shared is not None if forward is not None else keeper.rewrapped
+        made = keeper.provenance.made if keeper.provenance is not None else keeper.made
         self.provenance = Provenance(
-            unwrapped(inputs), keeper.outside, False, made, keeper.made_outside, rewrapped
+            unwrapped(inputs), keeper.outside, False, made, keeper.made_outside
         )
         self.cursor: dict[int, int] = {}  # id of the table's list of indices -> next
         # saved value's signature -> its handles, last first

@@ -895,6 +895,24 @@ def test_trivial_tensor_subclass_from_outside(policy, block, shape):
     assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
 
 
+@each_policy
+def test_trivial_tensor_subclass_made_inside_after_an_op(policy):
+    """A trivial subclass made inside ``fn`` from an op's output: plain's outputs and
+    gradients (the recompute looked for the aliases its outputs re-wrap from its start, and
+    found the op's output where the forward had not: a per-op policy raised)."""
+
+    def f(x, w):
+        return (F.linear(x, w).as_subclass(_Sub) @ w).tanh().as_subclass(torch.Tensor)
+
+    def run(wrap):
+        x, w = _randn(0, 4, 4), _randn(1, 4, 4)
+        out = wrap(f)(x, w)
+        out.sin().sum().backward()
+        return out, _grads([x, w])
+
+    assert_tree_equal(run(lambda f: remat(f, policy=policy)), run(lambda f: f))
+
+
 def _two_tensor_block(x, w):
     h = F.dropout((x @ w).tanh(), 0.5)
     return (h @ w.t()).reshape(-1).view(x.shape[0], -1).sin() * x
