@@ -1535,7 +1535,9 @@ def _alias(copy: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.Ten
     try:
         if t.dtype == base.dtype:
             offset = copy.storage_offset() + t.storage_offset() - base.storage_offset()
-            return viewed.as_strided(t.shape, t.stride(), offset)
+            view = viewed.as_strided(t.shape, t.stride(), offset)
+            view = view.conj() if t.is_conj() else view  # (the bits `as_strided` drops)
+            return torch._neg_view(view) if t.is_neg() else view
         flat = viewed.unsqueeze(0) if viewed.dim() == 0 else viewed
         raw, size = flat.view(torch.uint8), t.element_size()  # (its bytes, in place)
         start = t.storage_offset() * size - base.storage_offset() * base.element_size()

@@ -1585,6 +1585,55 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
             train(kept)
 
 
+class _Conjugated(nn.Module):
+    """Updates a complex buffer in place in its forward, after reading it through its
+    conjugate view (``read``), which a plain object holds."""
+
+    def __init__(self, read: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.read = nn.Linear(6, 6).to(DTYPE), read
+        real = torch.arange(6, dtype=DTYPE)
+        self.register_buffer("average", torch.complex(real, torch.ones_like(real)))
+        self.box = _Box(self.average.conj())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        read = self.read(self.box.t)
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(torch.complex(h.mean(0), h.std(0)) * 0.1)
+        return (h * (1 + read)).tanh()
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.imag.sum(),
+        lambda t: t.resolve_conj().imag.sum(),
+        lambda t: (t * 1j).real.sum(),
+    ],
+    ids=[".imag", "resolve_conj", "times 1j"],
+)
+@each_policy
+def test_a_conjugate_view_of_an_updated_buffer_held_in_an_object(policy, read):
+    """A conjugate view of a buffer the forward updates, read through an object before the
+    update: the copy's view had no conjugate bit (``as_strided`` drops it), and the default
+    policy's gradients differed with no error; ``.imag`` crashed. Plain's training."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.linear.weight.grad.clone(), model.average.clone()]
+            model.zero_grad()
+        return results
+
+    assert_tree_equal(
+        train(remat.apply(_Conjugated(read), policy=policy)), train(_Conjugated(read))
+    )
+
+
 class _Renormed(nn.Module):
     """Scales a weight in place in its forward (a renorm), which a second linear layer ties,
     or which a detached view of it, kept as an attribute, shows (read before and after)."""
