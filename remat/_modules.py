@@ -589,7 +589,23 @@ def _hooks_moved(hooks: tuple[list[dict[Any, Any]], list[int] | None, list[Any]]
 
 
 _PLAIN = frozenset((torch.Tensor, nn.Parameter))
-_DISPATCH = torch.Tensor.__torch_dispatch__  # (a subclass's own holds its values elsewhere)
+
+
+def _trivial(kind: type) -> bool:
+    """Whether a tensor subclass has torch's own torch function (or none, as a parameter)
+    and dispatch: its ops run as a plain tensor's, at most re-wrapping their outputs (what
+    it holds is not read)."""
+    function = getattr(kind, "__torch_function__", None)
+    return (
+        getattr(function, "__func__", function) in _TORCH_FUNCTIONS
+        and getattr(kind, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__
+    )
+
+
+_TORCH_FUNCTIONS = (
+    torch.Tensor.__torch_function__.__func__,  # type: ignore[attr-defined]
+    torch._C._disabled_torch_function_impl,
+)
 
 
 def _planned(
@@ -1666,19 +1682,18 @@ class WriteGuard:
         kind = type(t)
         if (
             found is None
-            or (kind not in _PLAIN and kind.__torch_dispatch__ is not _DISPATCH)
+            or (kind not in _PLAIN and not _trivial(kind))
             or _torch_private.unwrap_all(t) is not t
         ):
-            return t  # (a wrapper subclass, a torch.func wrapper: checked by `before_read`)
+            return t  # (its own torch function, a torch.func wrapper: see `before_read`)
         copy, original = found
         if _storage(copy) == memory:  # (``.data`` assigned it that memory)
             return t
         view = _alias(copy, original, t)
         if view is None:
             return t
-        if kind not in _PLAIN:  # (a subclass that holds its values: the same subclass)
+        if _torch_private.rewraps_outputs(t):
             view = view.as_subclass(kind)
-            view.__dict__.update(t.__dict__)
         if view is not copy and self.stand_in is not None:
             self.stand_in(view, t, view._version)
         self.views[id(t)] = (t, view)  # (one view per tensor: read twice, one tensor)

@@ -1523,10 +1523,19 @@ _OUTSIDE = {
     ".data, outside aten": (lambda t: t, lambda t: sum(t.data.tolist())),
     ".T, .real": (lambda t: t[None], lambda t: t.T.real.sum()),
     "subclass view's .data": (lambda t: t.as_subclass(_Sub), lambda t: sum(t.data.tolist())),
-    # Not given the copy: a call with torch functions off.
+    # Not given the copy: a call with torch functions off, a subclass's own torch function.
     "torch functions off": (lambda t: t, lambda t: _off(lambda: t.sum())),
     "torch functions off, outside aten": (lambda t: t, lambda t: _off(lambda: sum(t.tolist()))),
+    "subclass with its own torch function": (lambda t: t.as_subclass(_Own), lambda t: t.sum()),
 }
+
+
+class _Own(torch.Tensor):
+    """A subclass whose torch function reads what its instance holds."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _off(read: Callable[[], Any]) -> Any:
@@ -1556,10 +1565,10 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
     (``.tolist()``, ``.numpy()``, a pointer), held as a subclass view, or read through
     ``.data``: plain's training (the read gets the copy's view; the default policy's
     gradients differed with no error, a subclass view outside aten until this stop, and
-    ``.data`` raised). docs/limitations.md: read with torch functions off, the recompute
-    reads the updated buffer: through an aten op it raises; outside aten, the default
-    policy's gradients differ with no error (the per-op policies see the values rebuilt
-    differ, and raise)."""
+    ``.data`` raised). docs/limitations.md: read with torch functions off, or as a
+    subclass with a torch function of its own, the recompute reads the updated buffer:
+    through an aten op it raises; outside aten, the default policy's gradients differ with
+    no error (the per-op policies see the values rebuilt differ, and raise)."""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1572,7 +1581,7 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
 
     expected = train(_ReadOutside(way))
     kept = remat.apply(_ReadOutside(way), policy=policy)
-    if policy == "save_everything" or "torch functions off" not in way:
+    if policy == "save_everything" or not ("torch functions off" in way or "own" in way):
         assert_tree_equal(train(kept), expected)
     elif "outside aten" not in way:
         with pytest.raises(remat.RecomputeError, match=r"shows the memory"):
