@@ -188,16 +188,21 @@ class LiveReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if name not in ("__get__", "__set__") or (
-            name == "__get__" and getattr(func.__self__, "__name__", None) in _VALUE_VIEWS
+        if name in ("__get__", "__set__") and (
+            name == "__set__" or getattr(func.__self__, "__name__", None) not in _VALUE_VIEWS
         ):
-            with _torch_private.torch_functions_off(), QUIET:
-                args = self.guard.standing(args)
-                if kwargs:
-                    kwargs = dict(
-                        zip(kwargs, self.guard.standing(tuple(kwargs.values())), strict=True)
-                    )
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        with _torch_private.torch_functions_off(), QUIET:
+            given = self.guard.standing(args)
+            values = tuple(kwargs.values())
+            named = self.guard.standing(values) if kwargs else values
+        if named is not values:
+            kwargs = dict(zip(kwargs, named, strict=True))
+        out = func(*given, **kwargs)
+        if given is args and named is values:
+            return out
+        with _torch_private.torch_functions_off(), QUIET:
+            return self.guard.returned(out, given, args)
 
 
 # The tensor attributes that are views of its values.

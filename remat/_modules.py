@@ -1630,7 +1630,7 @@ class WriteGuard:
     was (a tensor reached in a way `reachable` does not follow).
     """
 
-    __slots__ = ("live", "local", "made_here", "stand_in", "views", "writes")
+    __slots__ = ("copied", "live", "local", "made_here", "stand_in", "views", "writes")
 
     def __init__(
         self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], unread: set[int]
@@ -1646,6 +1646,8 @@ class WriteGuard:
                 held = self.live.get(memory)
                 if held is None or held[1].numel() < original.numel():
                     self.live[memory] = (plain(copy), plain(original))
+        # A copy's memory -> (what it stands for, the copy), for `returned`.
+        self.copied = {_storage(copy): (original, copy) for copy, original in self.live.values()}
         self.writes = False
         # A per-op policy's replay knows what the recompute made (`made` is not called), and
         # is told what each view of a copy stands for (`Replayer.stand_in`).
@@ -1698,6 +1700,33 @@ class WriteGuard:
             self.stand_in(view, t, view._version)
         self.views[id(t)] = (t, view)  # (one view per tensor: read twice, one tensor)
         return view
+
+    def returned(self, out: Any, given: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """What a torch call given ``given`` in place of ``args`` (`standing`) returned: an
+        argument it returns (an in-place op's ``self``) as the caller's own, and a view of a
+        copy that requires no grad (``.T``, ``.view(-1)``) as the same view of what the copy
+        stands for, so that one kept in an object shows that tensor after the recompute, as
+        the forward's does; a call that reads it gets the copy's view back (`views`)."""
+        if type(out) in (list, tuple):  # (``split``, ``unbind``)
+            items = [self._back(t, given, args) for t in out]
+            return out if all(map(operator.is_, items, out)) else type(out)(items)
+        return self._back(out, given, args)
+
+    def _back(self, t: Any, given: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if given and t is given[0]:
+            return args[0]
+        found = self.copied.get(_storage(t))
+        if found is None or t.requires_grad:
+            return t
+        back = _alias(*found, t)
+        if back is None:
+            return t
+        if _torch_private.rewraps_outputs(t):
+            back = back.as_subclass(type(t))
+        self.views[id(back)] = (back, t)
+        return back
 
     def made(self, out: Any) -> None:
         """The outputs of one op of the recompute."""
