@@ -429,6 +429,7 @@ class _Setting:
             stack.enter_context(_torch_private.parametrization_cache_set(self.cache))
         if guard.live:  # (below the forward's function modes: they see what its calls saw)
             guard.stand_in = replayer.stand_in if replayer is not None else None
+            guard.same = replayer.same if replayer is not None else None
             stack.enter_context(LiveReads(guard))
         for function_mode in self.function_modes:
             stack.enter_context(function_mode)

@@ -1630,7 +1630,7 @@ class WriteGuard:
     was (a tensor reached in a way `reachable` does not follow).
     """
 
-    __slots__ = ("copied", "live", "local", "made_here", "stand_in", "views", "writes")
+    __slots__ = ("copied", "live", "local", "made_here", "same", "stand_in", "views", "writes")
 
     def __init__(
         self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], unread: set[int]
@@ -1653,6 +1653,7 @@ class WriteGuard:
         # is told what each view of a copy stands for (`Replayer.stand_in`).
         self.made_here: Callable[[torch.Tensor], bool] | None = None
         self.stand_in: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        self.same: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (`_back`'s)
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (it, its view)
 
     def standing(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -1726,6 +1727,8 @@ class WriteGuard:
         if _torch_private.rewraps_outputs(t):
             back = back.as_subclass(type(t))
         self.views[id(back)] = (back, t)
+        if self.same is not None:  # (read where `views` is not: inside a transform)
+            self.same(back, t)
         return back
 
     def made(self, out: Any) -> None:

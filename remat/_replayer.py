@@ -299,6 +299,12 @@ class Replayer:
         if entry is not None and entry[0]() is plain(original):  # (else the forward read none)
             self.provenance.alias(plain(copy), ("outside", entry[1], version - entry[2]))
 
+    def same(self, t: torch.Tensor, made: torch.Tensor) -> None:
+        """``t`` holds what ``made``, an output of an op of the recompute, holds (a view of
+        a module tensor that ``made`` views the private copy of: `WriteGuard.returned`)."""
+        plain = _torch_private.unwrap_all
+        self.provenance.alias(plain(t), self.provenance.describe(plain(made)))
+
     def _match(self, signature: Any) -> int | None:
         try:
             indices = self.keeper.table.get(signature)

@@ -1668,6 +1668,70 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
             train(kept)
 
 
+class _ViewsInATransform(nn.Module):
+    """Reads a view of its batch norm's running mean, held in a plain object, inside
+    ``torch.func.vmap`` after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = _Normed()
+        self.box = _Box(self.child.running)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.child(x)
+        return (h * (1 + torch.func.vmap(torch.sum)(self.box.t.view(2, 3)).sum())).tanh()
+
+
+@each_policy
+def test_a_view_of_an_updated_buffer_read_inside_a_transform(policy):
+    """The view the recompute's call hands back (of the buffer, not the copy) is read inside
+    ``vmap``, where the function mode does not give the copy's view: the per-op replay is
+    told it stands for the op's output (it raised "never rebuilt"). Plain's training."""
+
+    def train(model: nn.Module) -> list[Any]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.child.linear.weight.grad.clone(), model.child.running]
+            model.zero_grad()
+        return results
+
+    assert_tree_equal(
+        train(remat.apply(_ViewsInATransform(), policy=policy)), train(_ViewsInATransform())
+    )
+
+
+class _KeepsAnArray(nn.Module):
+    """Keeps, in a plain object, a NumPy array of its batch norm's running mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = _Normed()
+        self.box = _Box(self.child.running)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.box.array = self.box.t.numpy()
+        return self.child(x).tanh()
+
+
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
+def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(policy):
+    """docs/limitations.md: a NumPy array of such a buffer that the recompute makes (and
+    ``fn`` keeps) shows the private copy: the buffer's later values do not show in it."""
+
+    def kept(model: nn.Module) -> Any:
+        model(_batch(0).requires_grad_()).sum().backward()
+        with torch.no_grad():
+            model.child.running.add_(1)
+        return model.box.array.copy()
+
+    got, expected = kept(remat.apply(_KeepsAnArray(), policy=policy)), kept(_KeepsAnArray())
+    assert not (got == expected).all(), "docs/limitations.md says otherwise"
+
+
 class _Conjugated(nn.Module):
     """Updates a complex buffer in place in its forward, after reading it through its
     conjugate view (``read``), which a plain object holds."""
