@@ -1430,12 +1430,14 @@ def _contents(
         if kind in _LEAVES or id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, tuple):  # (immutable: only what it holds)
-            held += value
-        elif isinstance(value, _CONTAINERS):
-            contents = _get(value, _CONTENTS)
-            places.append((value, _CONTENTS, contents))
-            held += contents.values() if isinstance(contents, dict) else contents
+        if isinstance(value, (tuple, *_CONTAINERS)):
+            items: Any = value  # (a tuple is immutable: only what it holds)
+            if not isinstance(value, tuple):
+                contents = _get(value, _CONTENTS)
+                places.append((value, _CONTENTS, contents))
+                items = contents.values() if isinstance(contents, dict) else contents
+            if not _LEAVES.issuperset(map(type, items)):  # (natively: a list of numbers)
+                held += items
         elif isinstance(value, nn.Module):
             known = known or set(map(id, modules))
             if id(value) not in known:
@@ -1533,9 +1535,9 @@ def _moved(place: tuple[Any, Any, Any]) -> bool:
         return getattr(module, "__dict__", None) is holder
     if key is not _CONTENTS:
         return now is not value
-    if isinstance(value, dict):  # (in order: ``fn`` may iterate it)
-        return list(now) != list(value) or any(now[k] is not value[k] for k in value)
-    return len(now) != len(value) or any(a is not b for a, b in zip(now, value, strict=True))
+    if isinstance(value, dict):  # (in order: ``fn`` may iterate it; the same keys, in order)
+        return list(now) != list(value) or not all(map(operator.is_, now.values(), value.values()))
+    return len(now) != len(value) or not all(map(operator.is_, now, value))  # (natively)
 
 
 def _alias(copy: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
