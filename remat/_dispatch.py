@@ -179,7 +179,8 @@ class LiveReads(TorchFunctionMode):
     same view of the copy (`WriteGuard.standing`), wherever the region found it (a set, a
     plain object's attribute), and so is one read outside aten (``.tolist()``,
     ``.numpy()``, ``data_ptr()``), and one through an attribute that views its values
-    (``.data``, ``.T``). Other attributes (``.grad``) are the tensor's own."""
+    (``.data``, ``.T``). Other attributes (``.grad``) are the tensor's own. What the call
+    returns is handed back as the forward's call would (`WriteGuard.returned`)."""
 
     def __init__(self, guard: WriteGuard) -> None:
         super().__init__()
