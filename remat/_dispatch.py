@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _torch_private
@@ -24,7 +23,7 @@ from ._provenance import _OPS, Op, op_info, written
 from ._replayer import Replayer
 from ._rng import RngCapture, RngReplay, threaded
 
-__all__ = ["QUIET", "GuardedOpMode", "LiveReads", "OpMode", "ReadsOutsideAten"]
+__all__ = ["QUIET", "GuardedOpMode", "LiveReads", "OpMode"]
 
 
 class _Local(threading.local):
@@ -101,8 +100,6 @@ class OpMode(_torch_private.TorchDispatchMode):
             if keeper is not None:
                 keeper.after(op, args, kwargs, out)
             return out
-        if self.watch is not None and self.watch.statistics:
-            self.watch.before_read(func, args)
         if self.reads is not None:
             self.reads.before_read(func, (*args, *kwargs.values()))
         if op.writes and (self.watch is not None or self.guard is not None):
@@ -208,31 +205,3 @@ class LiveReads(TorchFunctionMode):
 
 # The tensor attributes that are views of its values.
 _VALUE_VIEWS = frozenset(("data", "T", "mT", "H", "mH", "real", "imag"))
-
-# The tensor methods that read values outside aten: no dispatch mode sees what they read.
-_OUTSIDE_ATEN = frozenset(
-    (
-        torch.Tensor.tolist,
-        torch.Tensor.numpy,
-        torch.Tensor.__array__,
-        torch.Tensor.data_ptr,
-        torch.Tensor.__dlpack__,
-    )
-)
-
-
-class ReadsOutsideAten(TorchFunctionMode):
-    """A watched forward's reads outside aten (``.tolist()``, ``.numpy()``, a pointer): of
-    batch norm's running statistics, they are learned as reads
-    (`ModuleState.before_read`), as `OpMode` learns aten's, so that the recompute gives
-    them a copy, not scratch memory."""
-
-    def __init__(self, watch: ModuleState) -> None:
-        super().__init__()
-        self.watch = watch
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in _OUTSIDE_ATEN:
-            with _torch_private.torch_functions_off():
-                self.watch.before_read(func, args)
-        return func(*args, **(kwargs or {}))

@@ -25,7 +25,7 @@ import optree
 import torch
 
 from . import _functorch, _introspect, _torch_private
-from ._dispatch import QUIET, GuardedOpMode, LiveReads, OpMode, ReadsOutsideAten
+from ._dispatch import QUIET, GuardedOpMode, LiveReads, OpMode
 from ._errors import (
     RecomputeError,
     TraceEntry,
@@ -396,7 +396,8 @@ class _Setting:
         replant = stack.enter_context(self.levels.restore(tensors))
         wrap = functools.partial(self.levels.wrap, replant)
         copies = stack.enter_context(self.modules.pinned(wrap)) if self.modules else []
-        guard = WriteGuard(copies, self.modules.unread() if self.modules else set())
+        in_place = self.modules.in_place() if self.modules else []
+        guard = WriteGuard(copies, in_place)
         # With private copies of what the forward updated, the recompute's reads of the
         # memory they stand for are checked, under the mode.
         moded = self.moded(recompute=True) or bool(guard.live)
@@ -416,6 +417,8 @@ class _Setting:
             for copy, original, version in copies:
                 if id(original) not in region.inputs:
                     replayer.stand_in(copy, original, version)
+            for t in in_place:  # (as the forward read it: not as what its ops made of it)
+                replayer.stand_in(t, t, t._version)
             for original, twin in replant.twins if replant is not None else ():
                 if twin is not original:
                     replayer.stand_in(twin, original, original._version)
@@ -526,19 +529,10 @@ class Region:
         if rng is not None:
             rng.start(setting.generators)
         closures = self.levels.watch_closures(self.tensors)
-        outside: contextlib.AbstractContextManager[Any] = _NOTHING
-        if (
-            moded
-            and setting.modules is not None
-            and setting.watching
-            and setting.modules.statistics
-        ):
-            outside = ReadsOutsideAten(setting.modules)
         self.running = True
         with running, enabled, hooks, self.mode or _NOTHING, closures:
             try:
-                with outside:  # (``fn``'s calls only: remat's own read pointers below)
-                    out = self.fn(*self.call[0], **self.call[1])
+                out = self.fn(*self.call[0], **self.call[1])
             finally:
                 self.running = False
             if rng is not None:

@@ -14,7 +14,9 @@ plain tensor attribute slot, the tensor it held at entry.
   under remat's dispatch mode, a slot is copied just before an op first writes its
   memory, and a ``.data`` assignment is told by the slot's memory moving. Later forwards
   snapshot at entry what a watched forward updated. The recompute runs on a private copy
-  of the snapshot; the live tensor keeps the forward's update.
+  of the snapshot; the live tensor keeps the forward's update. Batch norm's statistics
+  in training are rewound in place instead (`_rewound`), so that every path to them
+  reads what the forward read.
 - A region input that does not require grad is treated the same way (``F.batch_norm``
   with running statistics passed as arguments writes them without a version bump).
 - Plain tensors ``fn`` reaches by reference are version-checked (`loose`): updated by
@@ -85,12 +87,10 @@ class _Learned:
     """What the watched forwards of one module (or owner, see `owner_of`) showed, in one
     training mode (batch norm updates its statistics in training only)."""
 
-    __slots__ = ("programs", "read", "seen", "updated")
+    __slots__ = ("programs", "seen", "updated")
 
     def __init__(self) -> None:
         self.updated: set[str] = set()  # names of its tensors a forward updated in place
-        # Its batch norm statistics that an op besides batch norm read (`_write_only`).
-        self.read: set[str] = set()
         # For an owner: the calls it watched, each by its arguments' tree structure (inputs
         # are learned by leaf position), the type of each leaf (a bool's value), and the
         # objects it reached that remat does not look into (`Reached.opaque`, by identity).
@@ -99,7 +99,7 @@ class _Learned:
         self.programs: dict[Any, Any] = {}
 
     def learn(self, names: set[str], name: str) -> None:
-        """Add ``name`` to ``names`` (`updated` or `read`): a change the slot plans see."""
+        """Add ``name`` to ``names`` (`updated`): a change the slot plans see."""
         global _GENERATION
         if name not in names:
             with _MAKING:
@@ -531,7 +531,7 @@ class _Plan(NamedTuple):
     `_Tree`'s), no record was made or learned more since (`_GENERATION`), every module is in
     the same training mode, and the tables are the same, with the same names, each holding
     a plain tensor or parameter. Made only where no tensor is lazy or sharded by FSDP2, and
-    no module is a batch norm (whose statistics' slots depend on more, `_write_only`).
+    no module is a batch norm (whose statistics it does not tell to rewind: `_rewound`).
     Modules by their place among the tree's: it holds none.
     """
 
@@ -711,87 +711,19 @@ BATCH_NORM_OPS = frozenset(
 )
 
 
-def _write_only(module: nn.Module, name: str, t: torch.Tensor, record: _Learned | None) -> bool:
-    """Whether ``module``'s forward writes its buffer ``name`` and nothing reads it: batch
-    norm's running statistics in training, whose output reads the batch's own statistics
-    (and its count of batches, which it only adds 1 to, unless ``momentum`` is None);
-    unless a watched forward or a recompute saw another op read them (`_Learned.read`)."""
+def _rewound(module: nn.Module, name: str, t: torch.Tensor) -> bool:
+    """Whether ``module``'s buffer ``name`` is rewound in place for the recompute rather than
+    copied: batch norm's running statistics in training (and its count of batches, which it
+    only adds 1 to, unless ``momentum`` is None), which nothing but the module's own batch
+    norm is known to write (`ModuleState.pinned`)."""
     counted = name == "num_batches_tracked" and getattr(module, "momentum", None) is not None
     return (
         (name in ("running_mean", "running_var") or counted)
         and isinstance(module, _BATCH_NORMS)
         and type(module).forward is nn.BatchNorm2d.forward
         and module.training
-        and (record is None or name not in record.read)
         and _torch_private.unwrap_all(t) is t
     )
-
-
-class _Scratch(torch.Tensor):
-    """A batch norm's running statistic in the recompute: scratch memory for its write.
-
-    Batch norm's function gets the plain scratch tensor; any other use raises, as the
-    scratch holds no value, and teaches the module's later forwards to keep the value.
-    """
-
-    slot: _Slot
-    plain: torch.Tensor
-
-    @staticmethod
-    def of(plain: torch.Tensor, slot: _Slot) -> _Scratch:
-        scratch = plain.as_subclass(_Scratch)
-        scratch.slot, scratch.plain = slot, plain
-        return scratch
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is torch.Tensor.add_ and isinstance(args[0], _Scratch) and not kwargs:
-            return args[0].plain.add_(*args[1:])  # the count of batches
-        name = getattr(func, "__name__", "")
-        if name == "__get__":  # a property: its name is the descriptor's
-            name = getattr(getattr(func, "__self__", None), "__name__", "")
-        if (
-            func is torch.nn.functional.batch_norm and _training(args, kwargs)
-        ) or name in _METADATA:
-            args = tuple(a.plain if isinstance(a, _Scratch) else a for a in args)
-            kwargs = {k: v.plain if isinstance(v, _Scratch) else v for k, v in kwargs.items()}
-            return func(*args, **kwargs)
-        slots = [scratch.slot for scratch in _scratches((args, kwargs))]
-        for slot in slots:  # each read here is learned at once
-            record = _learning(slot.module)
-            record.learn(record.read, slot.name)
-        slot = slots[0]
-        raise RecomputeError(
-            f"`remat`: the recompute read `{slot.name}` of {type(slot.module).__name__} "
-            f"through `{name or func}`, which remat did not keep: its "
-            "earlier forwards only updated it as batch norm's running statistic. Later "
-            "calls keep it."
-        )
-
-
-def _training(args: Any, kwargs: Any) -> bool:
-    """Whether a call of ``F.batch_norm`` writes the statistics (in evaluation it reads them)."""
-    return bool(kwargs.get("training", args[5] if len(args) > 5 else False))
-
-
-# What `_Scratch` lets through besides batch norm: a tensor's metadata, not its values.
-_METADATA = frozenset(
-    {"shape", "dtype", "device", "layout", "ndim", "is_cuda", "requires_grad", "size", "dim"}
-    | {"numel", "stride", "is_contiguous", "nelement", "element_size"}
-)
-
-
-def _scratches(value: Any) -> Iterator[_Scratch]:
-    """The `_Scratch` tensors in ``value``, through its lists, tuples and dicts."""
-    if isinstance(value, _Scratch):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _scratches(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _scratches(item)
 
 
 class ModuleState:
@@ -817,13 +749,12 @@ class ModuleState:
         "lost",
         "modes",
         "places",
-        "scratch",
+        "rewound",
         "seen_as",
         "settled",
         "sharded",
         "slots",
         "snapshots",
-        "statistics",
         "taken",
         "uninitialized",
         "watching",
@@ -834,11 +765,9 @@ class ModuleState:
         self.slots: list[_Slot] = []
         self.inputs = 0  # how many of them are the region's inputs (the first)
         self.snapshots: dict[int, torch.Tensor] = {}  # slot index -> value before the forward
-        # Slots the forward writes and reads only as batch norm's running statistics: no
-        # snapshot; the recompute writes scratch memory (`_write_only`, `_Scratch`).
-        self.scratch: set[int] = set()
-        # A watched forward: such slots' storage -> slot index, to learn of other reads.
-        self.statistics: dict[int, int] = {}
+        # Updated slots the recompute rewinds in place (`_rewound`): slot index -> the
+        # value at entry.
+        self.rewound: dict[int, torch.Tensor] = {}
         self.generators: list[Any] = []  # explicit torch.Generators kept as module attributes
         # Slots whose tensors torch.func wrapped (``vmap`` batches ``functional_call``'s
         # buffers, and arguments): slot index -> the wrappers (`wrapper_chain`), for the
@@ -938,7 +867,6 @@ class ModuleState:
         fsdp, dtensor = _fsdp_types()
         owned = _sharded_units(submodules, fsdp)
         slots = state.slots
-        candidates: list[int] = []  # slots `_write_only` allows to be scratch
         # The types of every submodule's attributes, in one pass of native code.
         values = itertools.chain.from_iterable(map(dict.values, own))
         attribute_types = set(map(type, values))
@@ -981,18 +909,15 @@ class ModuleState:
                             if dtensor is not None and isinstance(t, dtensor):
                                 state.sharded.append(_Slot(sub, table, name, t, t._version, -1))
                             continue
-                        write_only = table is sub._buffers and _write_only(sub, name, t, record)
-                        if write_only and name in updated:
-                            state.scratch.add(len(slots))
-                        elif name in updated:
+                        if name in updated:
                             state.snapshots[len(slots)] = state._snapshot(len(slots), t)
-                        if write_only:
-                            candidates.append(len(slots))
                         slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
             if not (owned or state.uninitialized or any(map(_batch_norm, submodules))):
                 _plan(tree, submodules, state, tables, fsdp, generation, start, unlearned[first:])
         if torch.Tensor in attribute_types:
             state._attributes(submodules, unlearned)
+        if state.snapshots:
+            state._rewind()
         state.places = reached.places + places
         if reached.tensors:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
@@ -1000,8 +925,6 @@ class ModuleState:
             state.loose_storages = [storage_of(t) for t, _ in state.loose]
         if unlearned:
             state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
-            memories = [(_storage(slots[i].tensor), i) for i in candidates]
-            state.statistics = {memory: i for memory, i in memories if memory}
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
                 state.before = {
                     i: state._wrapped(i, slot.tensor).detach() for i, slot in enumerate(state.slots)
@@ -1016,9 +939,27 @@ class ModuleState:
             return None
         return state
 
-    def unread(self) -> set[int]:
-        """The tensors whose recompute copies are scratch memory (`_write_only`): ids."""
-        return {id(self.slots[i].tensor) for i in self.scratch}
+    def _rewind(self) -> None:
+        """Of the slots with snapshots, those `_rewound` allows are rewound in place
+        (`rewound`); not one whose memory another such slot shows (an argument viewing it:
+        copied as one, `_viewing`), nor one whose tensor shows other memory now (``.data``
+        assigned: the forward read the old)."""
+        slots = self.slots
+        memories = collections.Counter(_storage(slots[i].tensor) for i in self.snapshots)
+        for i in list(self.snapshots):
+            slot = slots[i]
+            if (
+                slot.table is not None
+                and slot.table is slot.module._buffers
+                and _rewound(slot.module, slot.name, slot.tensor)
+                and memories[_storage(slot.tensor)] == 1
+                and _memory(slot.tensor) == slot.memory
+            ):
+                self.rewound[i] = self.snapshots.pop(i)
+
+    def in_place(self) -> list[torch.Tensor]:
+        """The tensors the recompute rewinds in place (`rewound`): no copy stands for them."""
+        return [self.slots[i].tensor for i in self.rewound]
 
     def restored(self) -> set[int]:
         """The lists, dicts and deques whose whole contents the recompute shows as the
@@ -1029,7 +970,7 @@ class ModuleState:
         """Each module's plain tensor attributes (a cache, a mask) as slots, as its buffers
         are; but one that shares memory with another slot (HF's rotary embedding keeps its
         buffer as one; a view of a buffer): the recompute shows it the same view of that
-        slot's copy (`_stand_ins`), which it then needs (not scratch)."""
+        slot's copy (`_stand_ins`), or the slot's own memory, rewound (`rewound`)."""
         slots = self.slots
         shared = {memory: i for i, memory in enumerate(map(_storage, map(_TENSOR, slots)))}
         for sub in submodules:
@@ -1040,10 +981,6 @@ class ModuleState:
                     continue
                 memory = _storage(t)
                 if memory in shared:
-                    i = shared[memory]
-                    if i in self.scratch:  # (its values are read: the slot needs a copy)
-                        self.scratch.discard(i)
-                        self.snapshots[i] = self._snapshot(i, slots[i].tensor)
                     continue
                 shared[memory] = len(slots)
                 if record is None and sub not in unlearned:
@@ -1091,24 +1028,6 @@ class ModuleState:
                         self.snapshots[i] = before.clone()
                     self.taken.add(i)
 
-    def before_read(self, func: Any, args: Any) -> None:
-        """A watched forward runs ``func``: if it reads batch norm's running statistics
-        other than as batch norm's own, they are read (the recompute must see them)."""
-        stats = self.statistics
-        # Batch norm in training writes them (arguments 3 and 4), in evaluation reads them.
-        training = func in BATCH_NORM_OPS and args[5]
-        skip = (3, 4) if training else (0,) if func is aten.add_.Tensor else ()
-        for position, arg in enumerate(args):
-            if position in skip:
-                continue
-            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                if isinstance(t, torch.Tensor):
-                    i = stats.get(_storage(t))  # (also through a view at an offset)
-                    if i is not None:
-                        slot = self.slots[i]
-                        record = _learning(slot.module)
-                        record.learn(record.read, slot.name)
-
     def settle(self) -> None:
         """End of the forward: keep snapshots of what it updated, learn what it updates."""
         self.settled = True
@@ -1126,12 +1045,12 @@ class ModuleState:
         self.ended = list(map(_VERSION, tensors))
         # The usual: nothing snapshotted or written, no tensor moved: no slot is updated.
         quiet = (
-            not (self.scratch or self.snapshots or self.taken or self.copies)
+            not (self.rewound or self.snapshots or self.taken or self.copies)
             and self.ended == list(map(_SLOT_VERSION, slots))
             and _memories(tensors) == list(map(_SLOT_MEMORY, slots))
         )
         for i, slot in enumerate(() if quiet else slots):
-            if i in self.scratch:  # updated, as learned; the recompute writes scratch
+            if i in self.rewound:  # updated, as learned; the recompute rewinds it
                 continue
             t = slot.tensor  # (if the forward replaced it, as it left the old one)
             moved = _memory(t) != slot.memory  # ``.data`` assigned
@@ -1164,6 +1083,8 @@ class ModuleState:
             if len(seen) > 64:  # an owner that reaches new objects at every call
                 seen.clear()
             seen.add(key)
+        if self.snapshots:
+            self._rewind()
         self.before, self.taken, self.copies = {}, set(), {}
         self.written = [t for t, version in self.loose if t._version != version]
         self.loose = [(t, t._version) for t, _ in self.loose]
@@ -1291,7 +1212,7 @@ class ModuleState:
         tabled = slots[self.inputs :]  # (the inputs' slots come first, and have no table)
         unchanged = (
             self.settled
-            and not (self.scratch or self.snapshots)
+            and not (self.rewound or self.snapshots)
             and list(map(_VERSION, map(_TENSOR, slots))) == self.ended
             and list(map(id, map(dict.get, map(_TABLE, tabled), map(_NAME, tabled))))
             == list(map(id, map(_TENSOR, tabled)))
@@ -1301,13 +1222,10 @@ class ModuleState:
         for i, slot in enumerate(() if unchanged else slots):
             if i in viewing:  # (after the copy it views)
                 continue
-            if i in self.scratch:
+            if i in self.rewound:
                 assert slot.table is not None
-                plain = torch.empty_like(slot.tensor)
-                version = slot.version
-                _torch_private.set_version(plain, version)
-                swaps.append((slot.table, slot.name, _Scratch.of(plain, slot)))
-                copies.append((plain, slot.tensor, version))
+                if slot.table.get(slot.name) is not slot.tensor:
+                    swaps.append((slot.table, slot.name, slot.tensor))
                 continue
             snapshot = self.snapshots.get(i)
             if snapshot is None and self.before and _memory(slot.tensor) != slot.memory:
@@ -1374,7 +1292,14 @@ class ModuleState:
         flipped = [(m, m.training) for m, training in self.modes if m.training != training]
         places: list[tuple[Any, Any, Any]] = []
         started: list[dict[str, Any]] = []
+        rewound: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         try:
+            with torch.no_grad():
+                for i, at_entry in self.rewound.items():
+                    t = slots[i].tensor
+                    rewound.append((t, t.clone(), t._version))
+                    t.copy_(at_entry)
+                    _torch_private.set_version(t, slots[i].version)
             for holder, key, value in swaps:
                 previous.append((holder, key, _get(holder, key)))
                 _put(holder, key, value)
@@ -1386,6 +1311,10 @@ class ModuleState:
             started = list(map(dict.copy, tables))
             yield copies
         finally:
+            with torch.no_grad():
+                for t, now, version in rewound:
+                    t.copy_(now)
+                    _torch_private.set_version(t, version)
             for place in filter(_moved, places):
                 _put(*place)
             if started and _items(tables) != _items(started):
@@ -1635,16 +1564,17 @@ class WriteGuard:
     __slots__ = ("copied", "live", "local", "made_here", "same", "stand_in", "views", "writes")
 
     def __init__(
-        self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], unread: set[int]
+        self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], in_place: list[torch.Tensor]
     ) -> None:
         plain = _torch_private.unwrap_all
+        # What the recompute may write: the copies, and the tensors rewound ``in_place``.
         self.local = {_storage(plain(copy)) for copy, _, _ in copies}
-        # The memory of each tensor a copy stands for -> (the largest such copy, the tensor);
-        # not of those ``unread`` (ids: scratch copies, of what no op but its writer reads).
+        self.local.update(map(_storage, in_place))
+        # The memory of each tensor a copy stands for -> (the largest such copy, the tensor).
         self.live: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for copy, original, _ in copies:
             memory = _storage(plain(original))
-            if memory and memory not in self.local and id(original) not in unread:
+            if memory and memory not in self.local:
                 held = self.live.get(memory)
                 if held is None or held[1].numel() < original.numel():
                     self.live[memory] = (plain(copy), plain(original))

@@ -104,12 +104,14 @@ def _checkpointed(block: torch.nn.Module) -> Any:
 
 
 @pytest.mark.parametrize("policy", helpers.POLICIES.values(), ids=helpers.POLICIES.keys())
-def test_batch_norm_regions_hold_what_torch_checkpoint_holds(policy):
-    """A region with batch norms in training holds no copy of their running statistics (nor
-    of their count of batches): its recompute writes them into scratch memory, as batch
-    norm's output does not read them. So ResNet's BasicBlocks under save_nothing hold what
-    torch.utils.checkpoint holds, and every step trains bitwise as plain (torch's
-    checkpoint updates the statistics twice)."""
+def test_batch_norm_regions_hold_what_torch_checkpoint_holds_and_the_statistics(policy):
+    """A region with batch norms in training holds one copy of their running statistics
+    (and count of batches) as the forward began, which its recompute writes into them for
+    its run and then gives back what they held (it wrote scratch memory, and held nothing
+    more, but a read of the statistic that remat did not see read the update). So ResNet's
+    BasicBlocks under save_nothing hold what torch.utils.checkpoint holds and those bytes,
+    and every step trains bitwise as plain (torch's checkpoint updates the statistics
+    twice)."""
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(BasicBlock(), BasicBlock())
     plain = copy.deepcopy(blocks)
@@ -123,7 +125,8 @@ def test_batch_norm_regions_hold_what_torch_checkpoint_holds(policy):
             model.zero_grad()
     if policy == "save_nothing":
         checkpointed = copy.deepcopy(blocks)
-        assert held == _held_and_state(checkpointed, _checkpointed, x)[0]
+        statistics = sum(b.numel() * b.element_size() for b in blocks.buffers())
+        assert held == _held_and_state(checkpointed, _checkpointed, x)[0] + statistics
 
 
 class _Watching(torch.nn.Module):
@@ -190,13 +193,10 @@ class _ReadsThroughABox(torch.nn.Module):
 
 
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_a_statistic_first_read_through_an_object_in_a_later_call_gives_other_gradients(
-    policy,
-):
-    """docs/limitations.md: a statistic first read in a later call through a plain object
-    (where remat does not look): the recompute reads the updated statistic where the
-    forward read it before the update, and the gradients differ from plain's with no
-    error (read through the module, it raises: above)."""
+def test_a_statistic_first_read_through_an_object_in_a_later_call_trains_as_plain(policy):
+    """A statistic first read in a later call through a plain object (where remat does not
+    look): the recompute reads it rewound in place, as the forward read it. It read the
+    updated statistic there, and the gradients differed from plain's with no error."""
     model, plain = _ReadsThroughABox(), _ReadsThroughABox()
     f = remat.remat(model, policy=policy)
     x = torch.randn(6, 4, requires_grad=True)
@@ -204,17 +204,18 @@ def test_a_statistic_first_read_through_an_object_in_a_later_call_gives_other_gr
         f(x).sum().backward()
         plain(x).sum().backward()
     model.reads = plain.reads = True
-    got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
-    expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
-    assert not all(map(torch.equal, got, expected)), "docs/limitations.md says otherwise"
+    for _ in range(2):
+        got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
+        expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
+        helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
 
 
 @pytest.mark.parametrize("reads", ["argument", "in-a-list", "batch-norm-in-eval"])
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_a_statistic_first_read_in_a_later_call_raises_once(policy, reads):
-    """A statistic read besides batch norm only from a later call on (data-dependent): that
-    call's recompute raises, as the scratch holds no value, and later calls keep it. Its
-    metadata (shape, device) reads as the statistic's on every call."""
+def test_a_statistic_first_read_in_a_later_call_trains_as_plain(policy, reads):
+    """A statistic read besides batch norm only from a later call on (data-dependent): the
+    recompute reads it rewound in place, as the forward read it: plain's from that call on
+    (the recompute wrote scratch memory, and that call raised)."""
     torch.manual_seed(0)
     model, plain = _Watching(), _Watching()
     plain.load_state_dict(model.state_dict())
@@ -224,10 +225,7 @@ def test_a_statistic_first_read_in_a_later_call_raises_once(policy, reads):
         f(x).sum().backward()
         plain(x).sum().backward()
     model.reads = plain.reads = reads
-    with pytest.raises(remat.RecomputeError, match="`running_mean` of BatchNorm1d"):
-        f(x).sum().backward()
-    plain(x)
-    helpers.assert_tree_equal(list(model.buffers()), list(plain.buffers()))
-    got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
-    expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
-    helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))
+    for _ in range(2):
+        got = torch.autograd.grad(f(x).sum(), (x, *model.parameters()))
+        expected = torch.autograd.grad(plain(x).sum(), (x, *plain.parameters()))
+        helpers.assert_tree_equal((got, list(model.buffers())), (expected, list(plain.buffers())))

@@ -1554,13 +1554,13 @@ def _off(read: Callable[[], Any]) -> Any:
 
 
 class _ReadOutside(nn.Module):
-    """Reads its batch norm's running mean through an object before the norm updates it:
-    outside aten, or with torch functions off."""
+    """Reads its child's statistic (a batch norm's running mean, or a buffer it updates in
+    place) through an object before the update: outside aten, or with torch functions off."""
 
-    def __init__(self, way: str) -> None:
+    def __init__(self, way: str, norm: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child = _Normed()
+        self.child = _Normed() if norm else _Statistic()
         hold, self.read = _OUTSIDE[way]
         self.box = _Box(hold(self.child.running))
 
@@ -1568,9 +1568,10 @@ class _ReadOutside(nn.Module):
         return self.child(x * (1 + self.read(self.box.t))).tanh()
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["batch norm's", "buffer"])
 @pytest.mark.parametrize("way", _OUTSIDE)
 @each_policy
-def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
+def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way, norm):
     """A buffer the forward updates, read through an object before the update outside aten
     (``.tolist()``, ``.numpy()``, a pointer), held as a subclass view, or read through
     ``.data``: plain's training (the read gets the copy's view; the default policy's
@@ -1579,7 +1580,8 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
     subclass with a torch function of its own, the recompute reads the updated buffer:
     through an aten op it raises; outside aten, or from a thread the forward starts, the
     default policy's gradients differ with no error (the per-op policies see the values
-    rebuilt differ, and raise)."""
+    rebuilt differ, and raise). The child's statistic was a batch norm's running mean in
+    all of these; rewound in place for the recompute now, it trains as plain every way."""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1590,10 +1592,10 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
             model.zero_grad()
         return results
 
-    expected = train(_ReadOutside(way))
-    kept = remat.apply(_ReadOutside(way), policy=policy)
+    expected = train(_ReadOutside(way, norm))
+    kept = remat.apply(_ReadOutside(way, norm), policy=policy)
     given = not any(kind in way for kind in ("torch functions off", "own", "thread"))
-    if policy == "save_everything" or given:
+    if policy == "save_everything" or given or norm:
         assert_tree_equal(train(kept), expected)
     elif "outside aten" not in way and "thread" not in way:
         with pytest.raises(remat.RecomputeError, match=r"shows the memory"):
@@ -1607,13 +1609,16 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way):
 
 
 class _KeepsAView(nn.Module):
-    """Takes a view of its batch norm's running mean anew at each call (``how``), keeps it
-    in a plain object, and reads the one its last call kept, before the update or after."""
+    """Takes a view of its child's statistic (a batch norm's running mean, or a buffer it
+    updates in place) anew at each call (``how``), keeps it in a plain object, and reads
+    the one its last call kept, before the update or after."""
 
-    def __init__(self, how: Callable[[torch.Tensor], torch.Tensor], before: bool) -> None:
+    def __init__(
+        self, how: Callable[[torch.Tensor], torch.Tensor], before: bool, norm: bool
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child, self.how, self.before = _Normed(), how, before
+        self.child, self.how, self.before = _Normed() if norm else _Statistic(), how, before
         self.box = _Box(self.child.running)
         self.box.cache = how(self.box.t)
 
@@ -1634,10 +1639,11 @@ _VIEWS = {
 }
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["batch norm's", "buffer"])
 @pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
 @pytest.mark.parametrize("how", _VIEWS)
 @each_policy
-def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how, before):
+def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how, before, norm):
     """The recompute's view of the private copy was handed back to ``fn``, which kept it
     in the object: the next call read a stale copy (other gradients with no error under
     the default policy, for ``.real``, ``.T``, ``.data``, a view, a slice), and the object
@@ -1645,7 +1651,8 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
     buffer: plain's training, and the view shows the buffer. (Under the per-op policies,
     a new view each call is an attribute of a plain object rebound by the forward, which
     the recompute reads as the backward finds it: they raise, as docs/limitations.md
-    says.)"""
+    says. A batch norm's running statistic is rewound in place for the recompute, which
+    reads the buffer itself: plain's under every policy.)"""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1656,10 +1663,10 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
             model.zero_grad()
         return results
 
-    expected = train(_KeepsAView(_VIEWS[how], before))
-    model = _KeepsAView(_VIEWS[how], before)
+    expected = train(_KeepsAView(_VIEWS[how], before, norm))
+    model = _KeepsAView(_VIEWS[how], before, norm)
     kept = remat.apply(model, policy=policy)
-    if how == ".real" or policy in ("save_nothing", "save_everything"):
+    if how == ".real" or policy in ("save_nothing", "save_everything") or norm:
         assert_tree_equal(train(kept), expected)
         memory = model.box.cache.untyped_storage().data_ptr()
         assert memory == model.child.running.untyped_storage().data_ptr()
@@ -1704,12 +1711,13 @@ def test_a_view_of_an_updated_buffer_read_inside_a_transform(policy):
 
 
 class _KeepsAnArray(nn.Module):
-    """Keeps, in a plain object, a NumPy array of its batch norm's running mean."""
+    """Keeps, in a plain object, a NumPy array of its child's statistic (a batch norm's
+    running mean, or a buffer it updates in place)."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child = _Normed()
+        self.child = _Normed() if norm else _Statistic()
         self.box = _Box(self.child.running)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1717,10 +1725,12 @@ class _KeepsAnArray(nn.Module):
         return self.child(x).tanh()
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["batch norm's", "buffer"])
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(policy):
+def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(policy, norm):
     """docs/limitations.md: a NumPy array of such a buffer that the recompute makes (and
-    ``fn`` keeps) shows the private copy: the buffer's later values do not show in it."""
+    ``fn`` keeps) shows the private copy: the buffer's later values do not show in it. A
+    batch norm's running statistic, rewound in place, shows them, as plain's does."""
 
     def kept(model: nn.Module) -> Any:
         model(_batch(0).requires_grad_()).sum().backward()
@@ -1728,8 +1738,9 @@ def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(poli
             model.child.running.add_(1)
         return model.box.array.copy()
 
-    got, expected = kept(remat.apply(_KeepsAnArray(), policy=policy)), kept(_KeepsAnArray())
-    assert not (got == expected).all(), "docs/limitations.md says otherwise"
+    got = kept(remat.apply(_KeepsAnArray(norm), policy=policy))
+    expected = kept(_KeepsAnArray(norm))
+    assert (got == expected).all() == norm, "docs/limitations.md says otherwise"
 
 
 class _Conjugated(nn.Module):
