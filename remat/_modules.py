@@ -530,8 +530,7 @@ class _Plan(NamedTuple):
     for its later calls while nothing it depends on changed: the same modules (its
     `_Tree`'s), no record was made or learned more since (`_GENERATION`), every module is in
     the same training mode, and the tables are the same, with the same names, each holding
-    a plain tensor or parameter. Made only where no tensor is lazy or sharded by FSDP2, and
-    no module is a batch norm (whose statistics it does not tell to rewind: `_rewound`).
+    a plain tensor or parameter. Made only where no tensor is lazy or sharded by FSDP2.
     Modules by their place among the tree's: it holds none.
     """
 
@@ -659,10 +658,6 @@ def _plan(
     )
 
 
-def _batch_norm(module: nn.Module) -> bool:
-    return isinstance(module, _BATCH_NORMS)
-
-
 def _walk(
     modules: list[nn.Module],
 ) -> tuple[list[nn.Module], list[tuple[dict[str, Any], str, nn.Module]]]:
@@ -712,10 +707,10 @@ BATCH_NORM_OPS = frozenset(
 
 
 def _rewound(module: nn.Module, name: str, t: torch.Tensor) -> bool:
-    """Whether ``module``'s buffer ``name`` is rewound in place for the recompute rather than
-    copied: batch norm's running statistics in training (and its count of batches, which it
-    only adds 1 to, unless ``momentum`` is None), which nothing but the module's own batch
-    norm is known to write (`ModuleState.pinned`)."""
+    """Whether ``module``'s buffer ``name``, which the forward updated, is rewound in place
+    for the recompute (`ModuleState.pinned`) rather than copied: batch norm's running
+    statistics in training (and its count of batches, which it only adds 1 to, unless
+    ``momentum`` is None). Other updated tensors get private copies."""
     counted = name == "num_batches_tracked" and getattr(module, "momentum", None) is not None
     return (
         (name in ("running_mean", "running_var") or counted)
@@ -912,7 +907,7 @@ class ModuleState:
                         if name in updated:
                             state.snapshots[len(slots)] = state._snapshot(len(slots), t)
                         slots.append(_Slot(sub, table, name, t, t._version, _memory(t)))
-            if not (owned or state.uninitialized or any(map(_batch_norm, submodules))):
+            if not (owned or state.uninitialized):
                 _plan(tree, submodules, state, tables, fsdp, generation, start, unlearned[first:])
         if torch.Tensor in attribute_types:
             state._attributes(submodules, unlearned)
@@ -1281,7 +1276,7 @@ class ModuleState:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
         tables, entries = self.attributes
-        if _items(tables) != _items(entries):  # (native loops; the usual: all as they were)
+        if not all(map(_same_table, tables, entries)):  # (the usual: all as they were)
             for table, entry in zip(tables, entries, strict=True):
                 swaps += _rebound(table, entry)
         swaps += filter(_moved, self.places)
@@ -1317,7 +1312,7 @@ class ModuleState:
                     _torch_private.set_version(t, version)
             for place in filter(_moved, places):
                 _put(*place)
-            if started and _items(tables) != _items(started):
+            if started and not all(map(_same_table, tables, started)):
                 for table, entry in zip(tables, started, strict=True):
                     for holder, key, value in _rebound(table, entry):
                         _put(holder, key, value)
@@ -1380,10 +1375,14 @@ def _contents(
     return places, found
 
 
-def _items(tables: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
-    """Every table's keys and what they hold (by identity), in order."""
-    keys = list(itertools.chain.from_iterable(tables))
-    return keys, list(map(id, itertools.chain.from_iterable(map(dict.values, tables))))
+def _same_table(table: dict[str, Any], entry: dict[str, Any]) -> bool:
+    """Whether ``table`` holds what ``entry`` holds (by identity), under the same keys in the
+    same order (natively: this runs for every module, at every recompute)."""
+    return (
+        len(table) == len(entry)
+        and all(map(operator.is_, table.values(), entry.values()))
+        and list(table) == list(entry)
+    )
 
 
 def _rebound(table: dict[str, Any], entry: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
