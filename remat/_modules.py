@@ -14,9 +14,8 @@ plain tensor attribute slot, the tensor it held at entry.
   under remat's dispatch mode, a slot is copied just before an op first writes its
   memory, and a ``.data`` assignment is told by the slot's memory moving. Later forwards
   snapshot at entry what a watched forward updated. The recompute runs on a private copy
-  of the snapshot; the live tensor keeps the forward's update. Batch norm's statistics
-  in training are rewound in place instead (`_rewound`), so that every path to them
-  reads what the forward read.
+  of the snapshot; the live tensor keeps the forward's update. A plain buffer is rewound
+  in place instead (`_rewound`), so that every path to it reads what the forward read.
 - A region input that does not require grad is treated the same way (``F.batch_norm``
   with running statistics passed as arguments writes them without a version bump).
 - Plain tensors ``fn`` reaches by reference are version-checked (`loose`): updated by
@@ -697,7 +696,6 @@ def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
     return owned
 
 
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
 aten = torch.ops.aten
 # The kernels that write the running statistics (arguments 3 and 4) in training.
@@ -706,17 +704,15 @@ BATCH_NORM_OPS = frozenset(
 )
 
 
-def _rewound(module: nn.Module, name: str, t: torch.Tensor) -> bool:
-    """Whether ``module``'s buffer ``name``, which the forward updated, is rewound in place
-    for the recompute (`ModuleState.pinned`) rather than copied: batch norm's running
-    statistics in training (and its count of batches, which it only adds 1 to, unless
-    ``momentum`` is None). Other updated tensors get private copies."""
-    counted = name == "num_batches_tracked" and getattr(module, "momentum", None) is not None
+def _rewound(t: torch.Tensor) -> bool:
+    """Whether a buffer (or plain tensor attribute) the forward updated is rewound in place
+    for the recompute (`ModuleState.pinned`) rather than copied: a plain strided tensor that
+    requires no grad (batch norm's running statistics, an average a module keeps). Others
+    (a parameter, a tensor subclass, a torch.func wrapper) get private copies."""
     return (
-        (name in ("running_mean", "running_var") or counted)
-        and isinstance(module, _BATCH_NORMS)
-        and type(module).forward is nn.BatchNorm2d.forward
-        and module.training
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.requires_grad
         and _torch_private.unwrap_all(t) is t
     )
 
@@ -945,8 +941,8 @@ class ModuleState:
             slot = slots[i]
             if (
                 slot.table is not None
-                and slot.table is slot.module._buffers
-                and _rewound(slot.module, slot.name, slot.tensor)
+                and slot.table is not slot.module._parameters
+                and _rewound(slot.tensor)
                 and memories[_storage(slot.tensor)] == 1
                 and _memory(slot.tensor) == slot.memory
             ):
@@ -1045,8 +1041,10 @@ class ModuleState:
             and _memories(tensors) == list(map(_SLOT_MEMORY, slots))
         )
         for i, slot in enumerate(() if quiet else slots):
-            if i in self.rewound:  # updated, as learned; the recompute rewinds it
-                continue
+            if i in self.rewound:  # updated, as learned; the recompute rewinds it,
+                if _memory(slot.tensor) == slot.memory:
+                    continue
+                self.snapshots[i] = self.rewound.pop(i)  # unless given other memory
             t = slot.tensor  # (if the forward replaced it, as it left the old one)
             moved = _memory(t) != slot.memory  # ``.data`` assigned
             snapshot = self.snapshots.get(i)
@@ -1219,6 +1217,8 @@ class ModuleState:
                 continue
             if i in self.rewound:
                 assert slot.table is not None
+                if _memory(slot.tensor) != slot.memory:  # (a recompute inside its forward)
+                    raise _lost(slot)
                 if slot.table.get(slot.name) is not slot.tensor:
                     swaps.append((slot.table, slot.name, slot.tensor))
                 continue

@@ -1274,12 +1274,15 @@ def test_plain_tensor_attribute_modified_in_place_before_backward(policy):
 
 
 class _Statistic(nn.Module):
-    """Updates a running statistic buffer in place."""
+    """Updates a running statistic buffer (or a frozen parameter) in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, parameter: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(6, 6).to(DTYPE)
-        self.register_buffer("running", torch.zeros(6, dtype=DTYPE))
+        if parameter:
+            self.running = nn.Parameter(torch.zeros(6, dtype=DTYPE), requires_grad=False)
+        else:
+            self.register_buffer("running", torch.zeros(6, dtype=DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear(x)
@@ -1303,6 +1306,15 @@ class _Normed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.linear(x))
+
+
+# A child whose statistic the forward updates in place: batch norm's running mean and a
+# buffer, which the recompute rewinds in place, and a frozen parameter, which it copies.
+_CHILDREN: dict[str, Callable[[], nn.Module]] = {
+    "batch norm's": _Normed,
+    "buffer": _Statistic,
+    "frozen parameter": lambda: _Statistic(parameter=True),
+}
 
 
 class _ReadsStatistic(nn.Module):
@@ -1557,10 +1569,10 @@ class _ReadOutside(nn.Module):
     """Reads its child's statistic (a batch norm's running mean, or a buffer it updates in
     place) through an object before the update: outside aten, or with torch functions off."""
 
-    def __init__(self, way: str, norm: bool) -> None:
+    def __init__(self, way: str, child: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child = _Normed() if norm else _Statistic()
+        self.child = _CHILDREN[child]()
         hold, self.read = _OUTSIDE[way]
         self.box = _Box(hold(self.child.running))
 
@@ -1568,10 +1580,10 @@ class _ReadOutside(nn.Module):
         return self.child(x * (1 + self.read(self.box.t))).tanh()
 
 
-@pytest.mark.parametrize("norm", [True, False], ids=["batch norm's", "buffer"])
+@pytest.mark.parametrize("child", _CHILDREN)
 @pytest.mark.parametrize("way", _OUTSIDE)
 @each_policy
-def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way, norm):
+def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way, child):
     """A buffer the forward updates, read through an object before the update outside aten
     (``.tolist()``, ``.numpy()``, a pointer), held as a subclass view, or read through
     ``.data``: plain's training (the read gets the copy's view; the default policy's
@@ -1592,10 +1604,10 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way, norm
             model.zero_grad()
         return results
 
-    expected = train(_ReadOutside(way, norm))
-    kept = remat.apply(_ReadOutside(way, norm), policy=policy)
+    expected = train(_ReadOutside(way, child))
+    kept = remat.apply(_ReadOutside(way, child), policy=policy)
     given = not any(kind in way for kind in ("torch functions off", "own", "thread"))
-    if policy == "save_everything" or given or norm:
+    if policy == "save_everything" or given or child != "frozen parameter":
         assert_tree_equal(train(kept), expected)
     elif "outside aten" not in way and "thread" not in way:
         with pytest.raises(remat.RecomputeError, match=r"shows the memory"):
@@ -1614,11 +1626,11 @@ class _KeepsAView(nn.Module):
     the one its last call kept, before the update or after."""
 
     def __init__(
-        self, how: Callable[[torch.Tensor], torch.Tensor], before: bool, norm: bool
+        self, how: Callable[[torch.Tensor], torch.Tensor], before: bool, child: str
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child, self.how, self.before = _Normed() if norm else _Statistic(), how, before
+        self.child, self.how, self.before = _CHILDREN[child](), how, before
         self.box = _Box(self.child.running)
         self.box.cache = how(self.box.t)
 
@@ -1639,11 +1651,11 @@ _VIEWS = {
 }
 
 
-@pytest.mark.parametrize("norm", [True, False], ids=["batch norm's", "buffer"])
+@pytest.mark.parametrize("child", _CHILDREN)
 @pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
 @pytest.mark.parametrize("how", _VIEWS)
 @each_policy
-def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how, before, norm):
+def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how, before, child):
     """The recompute's view of the private copy was handed back to ``fn``, which kept it
     in the object: the next call read a stale copy (other gradients with no error under
     the default policy, for ``.real``, ``.T``, ``.data``, a view, a slice), and the object
@@ -1651,8 +1663,10 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
     buffer: plain's training, and the view shows the buffer. (Under the per-op policies,
     a new view each call is an attribute of a plain object rebound by the forward, which
     the recompute reads as the backward finds it: they raise, as docs/limitations.md
-    says. A batch norm's running statistic is rewound in place for the recompute, which
-    reads the buffer itself: plain's under every policy.)"""
+    says, for a frozen parameter, which the recompute copies. A buffer is rewound in
+    place for the recompute, which reads the buffer itself: a batch norm's running mean
+    trains as plain under every policy; one a module updates with ``mul_`` and ``add_``
+    trains as plain, or raises that false alarm under some per-op policies.)"""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1663,16 +1677,27 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
             model.zero_grad()
         return results
 
-    expected = train(_KeepsAView(_VIEWS[how], before, norm))
-    model = _KeepsAView(_VIEWS[how], before, norm)
+    expected = train(_KeepsAView(_VIEWS[how], before, child))
+    model = _KeepsAView(_VIEWS[how], before, child)
     kept = remat.apply(model, policy=policy)
-    if how == ".real" or policy in ("save_nothing", "save_everything") or norm:
-        assert_tree_equal(train(kept), expected)
-        memory = model.box.cache.untyped_storage().data_ptr()
-        assert memory == model.child.running.untyped_storage().data_ptr()
-    else:
+    per_op = how != ".real" and policy not in ("save_nothing", "save_everything")
+    if per_op and child == "frozen parameter":
         with pytest.raises(remat.RecomputeError, match="never rebuilt"):
             train(kept)
+        return
+    got: Any
+    try:
+        got = train(kept)
+    except remat.RecomputeError as error:
+        got = error
+    if isinstance(got, remat.RecomputeError):  # (a buffer's, as above)
+        assert per_op
+        assert child == "buffer"
+        assert "never rebuilt" in str(got)
+        return
+    assert_tree_equal(got, expected)
+    memory = model.box.cache.untyped_storage().data_ptr()
+    assert memory == model.child.running.untyped_storage().data_ptr()
 
 
 class _ViewsInATransform(nn.Module):
@@ -1714,10 +1739,10 @@ class _KeepsAnArray(nn.Module):
     """Keeps, in a plain object, a NumPy array of its child's statistic (a batch norm's
     running mean, or a buffer it updates in place)."""
 
-    def __init__(self, norm: bool) -> None:
+    def __init__(self, child: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.child = _Normed() if norm else _Statistic()
+        self.child = _CHILDREN[child]()
         self.box = _Box(self.child.running)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1725,9 +1750,9 @@ class _KeepsAnArray(nn.Module):
         return self.child(x).tanh()
 
 
-@pytest.mark.parametrize("norm", [True, False], ids=["batch norm's", "buffer"])
+@pytest.mark.parametrize("child", _CHILDREN)
 @pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls"])
-def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(policy, norm):
+def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(policy, child):
     """docs/limitations.md: a NumPy array of such a buffer that the recompute makes (and
     ``fn`` keeps) shows the private copy: the buffer's later values do not show in it. A
     batch norm's running statistic, rewound in place, shows them, as plain's does."""
@@ -1738,9 +1763,9 @@ def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(poli
             model.child.running.add_(1)
         return model.box.array.copy()
 
-    got = kept(remat.apply(_KeepsAnArray(norm), policy=policy))
-    expected = kept(_KeepsAnArray(norm))
-    assert (got == expected).all() == norm, "docs/limitations.md says otherwise"
+    got = kept(remat.apply(_KeepsAnArray(child), policy=policy))
+    expected = kept(_KeepsAnArray(child))
+    assert (got == expected).all() == (child != "frozen parameter"), "docs/limitations.md says so"
 
 
 class _Conjugated(nn.Module):
