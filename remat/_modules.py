@@ -1276,7 +1276,7 @@ class ModuleState:
             if held[0].get(held[1]) is not held[2]:
                 swaps.append(held)
         tables, entries = self.attributes
-        if not all(map(_same_table, tables, entries)):  # (the usual: all as they were)
+        if not _same_tables(tables, entries):  # (the usual: all as they were)
             for table, entry in zip(tables, entries, strict=True):
                 swaps += _rebound(table, entry)
         swaps += filter(_moved, self.places)
@@ -1312,7 +1312,7 @@ class ModuleState:
                     _torch_private.set_version(t, version)
             for place in filter(_moved, places):
                 _put(*place)
-            if started and not all(map(_same_table, tables, started)):
+            if started and not _same_tables(tables, started):
                 for table, entry in zip(tables, started, strict=True):
                     for holder, key, value in _rebound(table, entry):
                         _put(holder, key, value)
@@ -1375,13 +1375,15 @@ def _contents(
     return places, found
 
 
-def _same_table(table: dict[str, Any], entry: dict[str, Any]) -> bool:
-    """Whether ``table`` holds what ``entry`` holds (by identity), under the same keys in the
-    same order (natively: this runs for every module, at every recompute)."""
+def _same_tables(tables: list[dict[str, Any]], entries: list[dict[str, Any]]) -> bool:
+    """Whether each table holds what its entry holds (by identity), under the same keys in
+    the same order (in native loops, with no ids made: this runs at every recompute)."""
+    chain = itertools.chain.from_iterable
+    held, were = chain(map(dict.values, tables)), chain(map(dict.values, entries))
     return (
-        len(table) == len(entry)
-        and all(map(operator.is_, table.values(), entry.values()))
-        and list(table) == list(entry)
+        list(map(len, tables)) == list(map(len, entries))
+        and all(map(operator.is_, held, were))
+        and list(chain(tables)) == list(chain(entries))
     )
 
 
