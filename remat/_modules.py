@@ -14,8 +14,9 @@ plain tensor attribute slot, the tensor it held at entry.
   under remat's dispatch mode, a slot is copied just before an op first writes its
   memory, and a ``.data`` assignment is told by the slot's memory moving. Later forwards
   snapshot at entry what a watched forward updated. The recompute runs on a private copy
-  of the snapshot; the live tensor keeps the forward's update. A plain buffer is rewound
-  in place instead (`_rewound`), so that every path to it reads what the forward read.
+  of the snapshot; the live tensor keeps the forward's update. A plain buffer or parameter
+  is rewound in place instead (`_rewound`), so that every path to it reads what the
+  forward read.
 - A region input that does not require grad is treated the same way (``F.batch_norm``
   with running statistics passed as arguments writes them without a version bump).
 - Plain tensors ``fn`` reaches by reference are version-checked (`loose`): updated by
@@ -705,14 +706,14 @@ BATCH_NORM_OPS = frozenset(
 
 
 def _rewound(t: torch.Tensor) -> bool:
-    """Whether a buffer (or plain tensor attribute) the forward updated is rewound in place
-    for the recompute (`ModuleState.pinned`) rather than copied: a plain strided tensor that
-    requires no grad (batch norm's running statistics, an average a module keeps). Others
-    (a parameter, a tensor subclass, a torch.func wrapper) get private copies."""
+    """Whether a module tensor the forward updated is rewound in place for the recompute
+    (`ModuleState.pinned`) rather than copied: a plain strided tensor or parameter with no
+    autograd history (batch norm's running statistics, an average a module keeps, a
+    parameter). Others (a tensor subclass, a torch.func wrapper) get private copies."""
     return (
-        type(t) is torch.Tensor
+        type(t) in _PLAIN
         and t.layout == torch.strided
-        and not t.requires_grad
+        and t.grad_fn is None
         and _torch_private.unwrap_all(t) is t
     )
 
@@ -941,7 +942,6 @@ class ModuleState:
             slot = slots[i]
             if (
                 slot.table is not None
-                and slot.table is not slot.module._parameters
                 and _rewound(slot.tensor)
                 and memories[_storage(slot.tensor)] == 1
                 and _memory(slot.tensor) == slot.memory

@@ -1274,15 +1274,18 @@ def test_plain_tensor_attribute_modified_in_place_before_backward(policy):
 
 
 class _Statistic(nn.Module):
-    """Updates a running statistic buffer (or a frozen parameter) in place."""
+    """Updates a running statistic in place: a buffer, a parameter, or a buffer that is a
+    tensor subclass."""
 
-    def __init__(self, parameter: bool = False) -> None:
+    def __init__(self, kind: str = "buffer") -> None:
         super().__init__()
         self.linear = nn.Linear(6, 6).to(DTYPE)
-        if parameter:
-            self.running = nn.Parameter(torch.zeros(6, dtype=DTYPE), requires_grad=False)
+        running = torch.zeros(6, dtype=DTYPE)
+        if kind == "parameter":
+            self.running = nn.Parameter(running)
         else:
-            self.register_buffer("running", torch.zeros(6, dtype=DTYPE))
+            subclass = kind == _COPIED
+            self.register_buffer("running", running.as_subclass(_Sub) if subclass else running)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear(x)
@@ -1308,12 +1311,15 @@ class _Normed(nn.Module):
         return self.norm(self.linear(x))
 
 
-# A child whose statistic the forward updates in place: batch norm's running mean and a
-# buffer, which the recompute rewinds in place, and a frozen parameter, which it copies.
+# A child whose statistic the forward updates in place: batch norm's running mean, a
+# buffer and a parameter, which the recompute rewinds in place, and a buffer that is a
+# tensor subclass (`_COPIED`), which it copies.
+_COPIED = "subclass buffer"
 _CHILDREN: dict[str, Callable[[], nn.Module]] = {
     "batch norm's": _Normed,
     "buffer": _Statistic,
-    "frozen parameter": lambda: _Statistic(parameter=True),
+    "parameter": lambda: _Statistic("parameter"),
+    _COPIED: lambda: _Statistic(_COPIED),
 }
 
 
@@ -1525,7 +1531,7 @@ class _Sub(torch.Tensor):
 # recompute's calls get the copy for (plain's training), and what they do not.
 _OUTSIDE = {
     "tolist": (lambda t: t, lambda t: sum(t.tolist())),
-    "numpy": (lambda t: t, lambda t: float(t.numpy().sum())),
+    "numpy": (lambda t: t, lambda t: float(t.detach().numpy().sum())),
     "data_ptr": (
         lambda t: t,
         lambda t: float(sum((ctypes.c_double * t.numel()).from_address(t.data_ptr()))),
@@ -1552,7 +1558,7 @@ def _in_a_thread(read: Callable[[], Any]) -> Any:
     return out[0]
 
 
-class _Own(torch.Tensor):
+class _Own(_Sub):
     """A subclass whose torch function reads what its instance holds."""
 
     @classmethod
@@ -1592,8 +1598,9 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way, chil
     subclass with a torch function of its own, the recompute reads the updated buffer:
     through an aten op it raises; outside aten, or from a thread the forward starts, the
     default policy's gradients differ with no error (the per-op policies see the values
-    rebuilt differ, and raise). The child's statistic was a batch norm's running mean in
-    all of these; rewound in place for the recompute now, it trains as plain every way."""
+    rebuilt differ, and raise). This holds for a subclass buffer, which the recompute
+    copies; a buffer, a batch norm's running mean or a parameter (also one that requires
+    grad, since stop 54), rewound in place for the recompute, trains as plain every way."""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1607,7 +1614,11 @@ def test_an_updated_buffer_read_through_an_object_outside_aten(policy, way, chil
     expected = train(_ReadOutside(way, child))
     kept = remat.apply(_ReadOutside(way, child), policy=policy)
     given = not any(kind in way for kind in ("torch functions off", "own", "thread"))
-    if policy == "save_everything" or given or child != "frozen parameter":
+    per_op = policy not in ("save_nothing", "save_everything")
+    if per_op and child == _COPIED and way == ".data":  # a false alarm: docs/limitations.md
+        with pytest.raises(remat.RecomputeError, match="never rebuilt"):
+            train(kept)
+    elif policy == "save_everything" or given or child != _COPIED:
         assert_tree_equal(train(kept), expected)
     elif "outside aten" not in way and "thread" not in way:
         with pytest.raises(remat.RecomputeError, match=r"shows the memory"):
@@ -1663,10 +1674,13 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
     buffer: plain's training, and the view shows the buffer. (Under the per-op policies,
     a new view each call is an attribute of a plain object rebound by the forward, which
     the recompute reads as the backward finds it: they raise, as docs/limitations.md
-    says, for a frozen parameter, which the recompute copies. A buffer is rewound in
-    place for the recompute, which reads the buffer itself: a batch norm's running mean
+    says, for a subclass buffer, which the recompute copies. A buffer or parameter is
+    rewound in place for the recompute, which reads it itself: a batch norm's running mean
     trains as plain under every policy; one a module updates with ``mul_`` and ``add_``
-    trains as plain, or raises that false alarm under some per-op policies.)"""
+    trains as plain, or raises that false alarm under some per-op policies. A parameter
+    that requires grad was copied until stop 54, and the default policy's gradients
+    differed from plain's with no error for a view, a slice and ``.T`` read after the
+    update.)"""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1680,8 +1694,8 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
     expected = train(_KeepsAView(_VIEWS[how], before, child))
     model = _KeepsAView(_VIEWS[how], before, child)
     kept = remat.apply(model, policy=policy)
-    per_op = how != ".real" and policy not in ("save_nothing", "save_everything")
-    if per_op and child == "frozen parameter":
+    per_op = policy not in ("save_nothing", "save_everything")
+    if per_op and child == _COPIED and (how != ".real" or not before):  # (a subclass's too)
         with pytest.raises(remat.RecomputeError, match="never rebuilt"):
             train(kept)
         return
@@ -1692,7 +1706,8 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
         got = error
     if isinstance(got, remat.RecomputeError):  # (a buffer's, as above)
         assert per_op
-        assert child == "buffer"
+        assert how != ".real"
+        assert child in ("buffer", "parameter")
         assert "never rebuilt" in str(got)
         return
     assert_tree_equal(got, expected)
@@ -1746,7 +1761,7 @@ class _KeepsAnArray(nn.Module):
         self.box = _Box(self.child.running)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.box.array = self.box.t.numpy()
+        self.box.array = self.box.t.detach().numpy()
         return self.child(x).tanh()
 
 
@@ -1765,7 +1780,7 @@ def test_an_array_of_an_updated_buffer_kept_by_the_recompute_shows_the_copy(poli
 
     got = kept(remat.apply(_KeepsAnArray(child), policy=policy))
     expected = kept(_KeepsAnArray(child))
-    assert (got == expected).all() == (child != "frozen parameter"), "docs/limitations.md says so"
+    assert (got == expected).all() == (child != _COPIED), "docs/limitations.md says so"
 
 
 class _Conjugated(nn.Module):
