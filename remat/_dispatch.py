@@ -78,6 +78,10 @@ class OpMode(_torch_private.TorchDispatchMode):
         self.watch, self.guard = watch, guard  # the forward's and the recompute's, first calls
         self.reads = guard if guard is not None and guard.live else None  # (checked per op)
         self.checks = watch is not None or guard is not None or trace is not None
+        # A per-op policy's recompute with no trace nor private copies read: the replay,
+        # and the guard's check of writes (below, unrolled).
+        plain = trace is None and watch is None and self.reads is None
+        self.replaying = replayer if plain else None
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
         self.run, self.passed = self._run, self._passed  # bound once: handed on for every op
 
@@ -86,10 +90,13 @@ class OpMode(_torch_private.TorchDispatchMode):
         if self.paused or _local.quiet:
             return func(*args, **kwargs)
         op = _OPS.get(id(func)) or op_info(func)
+        replaying = self.replaying
+        if replaying is not None:
+            if op.writes and self.guard is not None:
+                self._writes(op, args, kwargs)
+            return replaying.call(op, args, kwargs, self.run, self.passed)
         keeper = self.keeper
-        if not self.checks:  # the usual: the bookkeeping or the replay alone (below, unrolled)
-            if self.replayer is not None:
-                return self.replayer.call(op, args, kwargs, self.run, self.passed)
+        if not self.checks:  # the usual forward: the bookkeeping alone (below, unrolled)
             if keeper is not None and keeper.program is not None:
                 out = keeper.follow(op, args, kwargs, self.run)
                 if out is not DIVERGED:

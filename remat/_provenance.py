@@ -103,16 +103,18 @@ def op_info(func: Any) -> Op:
 
 
 def _passes_through(op: Op, args: Any, out: Any) -> bool:
-    """Whether ``out`` is ``args[0]`` as it is: a detach, an alias, or a view that changes
-    nothing (autograd makes one for an autograd.Function that returns its input, as
+    """Whether view ``out`` is ``args[0]`` as it is: a detach, an alias, or a view that
+    changes nothing (autograd makes one for an autograd.Function that returns its input, as
     FSDP2's post-backward hook does, and only when the hook runs)."""
-    if not op.view or not isinstance(out, torch.Tensor):
-        return False
     if op.transparent:
-        return True
-    if not args or not isinstance(args[0], torch.Tensor) or out.shape != args[0].shape:
-        return False
-    return _geometry(out) == _geometry(args[0])
+        return isinstance(out, torch.Tensor)
+    first = args[0] if args else None
+    return (
+        isinstance(first, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and out.shape == first.shape  # (most views change it: the cheapest test first)
+        and _geometry(out) == _geometry(first)
+    )
 
 
 def _geometry(t: torch.Tensor) -> tuple[Any, ...]:

@@ -22,6 +22,7 @@ from . import _torch_private
 from ._keep import Keeper, Run, Shape
 from ._provenance import (
     READS_METADATA,
+    Made,
     Op,
     Provenance,
     arg_tensors,
@@ -66,6 +67,7 @@ class Replayer:
         "placeholders",
         "provenance",
         "restart",
+        "special",
         "stop_after",
     )
 
@@ -95,6 +97,8 @@ class Replayer:
         # Where the kept values lent to a kept chain's first op lie (`Keeper.chain_value`):
         # the chain's steps write them as the forward did; an op that did not match must not.
         self.lent: set[int | None] = set()
+        # The ops that do not simply run again: kept, in a kept chain, or skipped.
+        self.special = keeper.kept.keys() | keeper.chained.keys() | keeper.skip.keys()
 
     def call(self, op: Op, args: Any, kwargs: Any, run: Run, passed: Passed) -> Any:
         """One op of the recompute: its kept value, a placeholder, or what ``run`` returns.
@@ -105,7 +109,8 @@ class Replayer:
         """
         if self.stop_after is not None:
             return self._last(op, args, kwargs, run, passed)
-        signature = self.provenance.signature(op, args, kwargs, None)
+        provenance = self.provenance
+        signature = provenance.signature(op, args, kwargs, None)
         index = None if self.diverged else self._match(signature)
         if index is None and not self.diverged and self.placeholders and _device(kwargs) == _META:
             # A factory call on the device that a skipped value's ``.device`` reported
@@ -115,18 +120,21 @@ class Replayer:
             again = self._match(self.provenance.signature(op, args, moved, None))
             if again is not None:
                 index, kwargs = again, moved
-        keeper = self.keeper
         if (
             index is not None
             and not self.placeholders
             and not op.random
-            and index not in keeper.chained
-            and index not in keeper.kept
-            and index not in keeper.skip
+            and index not in self.special
         ):  # matched, and it runs: the usual op
             out = op.func(*args, **kwargs)
-            self.provenance.record(op, args, out, index)
+            if type(out) is torch.Tensor and not op.view and provenance.shared is None:
+                provenance.made[id(out)] = tuple.__new__(
+                    Made, (weakref.ref(out), index, 0, out._version)
+                )  # `Provenance.record`, for the usual op
+            else:
+                provenance.record(op, args, out, index)
             return out
+        keeper = self.keeper
         end = keeper.chained.get(index) if index is not None else None
         if end is not None and end in keeper.kept and keeper.replayable(end):
             if index == keeper.chains[end][0]:
