@@ -684,7 +684,27 @@ def _walk(
                     raise compiled(f"reached compiled module `{name}` of {type(module).__name__}")
                 held.append((table, name, child))
             stack.extend(reversed(table.values()))
+    for cls in {type(module): None for module in found}:
+        _refuse_compiled_methods(cls)
     return found, held
+
+
+def _refuse_compiled_methods(kind: type) -> None:
+    """Raise if a module class (or a base, but nn.Module) defines a method
+    ``@torch.compile`` made. Each class is looked at once, until it has one."""
+    if kind in _PLAIN_CLASSES:
+        return
+    for base in kind.__mro__:
+        if base is nn.Module:
+            break
+        for name, value in vars(base).items():
+            value = getattr(value, "__func__", value)  # (a static or class method's)
+            if type(value) is types.FunctionType and _torch_private.compiled(value):
+                raise compiled(f"reached compiled method `{base.__name__}.{name}`")
+    _PLAIN_CLASSES.add(kind)
+
+
+_PLAIN_CLASSES: weakref.WeakSet[type] = weakref.WeakSet()  # module classes with none
 
 
 def _sharded_units(submodules: list[nn.Module], fsdp: type | None) -> set[int]:
@@ -1342,7 +1362,9 @@ def _contents(
       sees what the forward read from one that ``fn`` appends to, or that the caller
       changes before the backward (``cfg["attn"]["t"]``);
     - the modules not among ``modules``, also in sets, through a function that wraps one
-      (``__wrapped__``) or a partial.
+      (``__wrapped__``), a bound method or a partial.
+
+    Raises on compiled code among them (a module or function ``torch.compile`` made).
     """
     places, found = [], []
     seen: set[int] = set()
@@ -1363,13 +1385,19 @@ def _contents(
             if not _LEAVES.issuperset(map(type, items)):  # (natively: a list of numbers)
                 held += items
         elif isinstance(value, nn.Module):
+            if _torch_private.compiled(value):
+                raise compiled(f"reached a compiled {type(value).__name__} in an attribute")
             known = known or set(map(id, modules))
             if id(value) not in known:
                 found.append(value)
         elif isinstance(value, (set, frozenset)):
             held += value
         elif kind is types.FunctionType:
+            if _torch_private.compiled(value):
+                raise compiled(f"reached compiled function `{value.__qualname__}`")
             held.append(getattr(value, "__wrapped__", None))
+        elif kind is types.MethodType:
+            held.append(value.__func__)
         elif kind is functools.partial:
             held += [value.func, *value.args, *value.keywords.values()]
     return places, found

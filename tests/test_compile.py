@@ -268,6 +268,54 @@ def _applied_to_compiled(x: torch.Tensor) -> torch.Tensor:
     return remat.apply(block, lambda name, _: name == "0")(x)
 
 
+class _CompiledMethod(nn.Module):
+    @torch.compile(backend="aot_eager")
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x).cos()
+
+
+class _HoldsCode(nn.Module):
+    """Compiled code in one of its attributes (`held`): a function, in a list, a dict or a
+    partial, a module in a plain list, a bound method of another module, or its own
+    ``forward`` rebound to a compiled one, or a submodule whose class compiles a method."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        self.held = held
+        self.inner = nn.Linear(4, 4)
+        if held == "attribute":
+            self.act = _COMPILED
+        elif held == "list":
+            self.acts = [torch.tanh, _COMPILED]
+        elif held == "dict":
+            self.acts = {"act": _COMPILED}
+        elif held == "partial":
+            self.act = functools.partial(_COMPILED)
+        elif held == "module in a list":
+            self.blocks = [torch.compile(nn.Tanh(), backend="aot_eager")]
+        elif held == "bound method":
+            self.act = _CompiledMethod().act
+        elif held == "method of a submodule":
+            self.sub = _CompiledMethod()
+        elif held == "forward rebound":
+            self.inner.forward = torch.compile(self.inner.forward, backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        if self.held in ("attribute", "partial", "bound method"):
+            h = self.act(h)
+        elif self.held in ("list", "dict"):
+            h = self.acts[1 if self.held == "list" else "act"](h)
+        elif self.held == "module in a list":
+            h = self.blocks[0](h)
+        elif self.held == "method of a submodule":
+            h = self.sub(h)
+        return h.tanh()
+
+
 _REGIONS_WITH_COMPILED_CODE = {
     "fn": lambda x: remat.remat(torch.compile(torch.cos, backend="aot_eager")),
     "apply": _applied_to_compiled,
@@ -275,19 +323,61 @@ _REGIONS_WITH_COMPILED_CODE = {
     "child compiled in place": lambda x: remat.apply(_HoldsCompiled(in_place=True))(x),
     "global": lambda x: remat.remat(_names_compiled)(x),
     "closure": lambda x: remat.remat(lambda y: _COMPILED(y) * 2)(x),
+    "method": lambda x: remat.apply(_CompiledMethod())(x),
+    **{
+        f"held: {held}": functools.partial(lambda held, x: remat.apply(_HoldsCode(held))(x), held)
+        for held in (
+            "attribute",
+            "list",
+            "dict",
+            "partial",
+            "module in a list",
+            "bound method",
+            "method of a submodule",
+            "forward rebound",
+        )
+    },
 }
 
 
 @pytest.mark.parametrize("where", _REGIONS_WITH_COMPILED_CODE)
 def test_compiled_code_inside_a_region_raises(where):
     """The other nesting, remat(torch.compile(block)), and compiled code a region reaches
-    (a submodule, a function its code names or closes over): a TypeError naming it, at
-    remat(...) or the first call. It gave other gradients than the compiled block's with
-    no error (inductor), or a RecomputeError on later steps: torch runs compiled code
-    eagerly under remat's dispatch mode and compiles it again under its function modes."""
+    (a submodule, a function its code names or closes over, a method its class compiles,
+    one a module holds in an attribute): a TypeError naming it, at remat(...) or the
+    first call. It gave other gradients than the compiled block's with no error
+    (inductor; the "held" cases until stop 55), or a RecomputeError on later steps:
+    torch runs compiled code eagerly under remat's dispatch mode and compiles it again
+    under its function modes."""
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(TypeError, match=r"(?s)compiled .*torch.compile\(remat\(fn\)\)"):
         _REGIONS_WITH_COMPILED_CODE[where](x)
+
+
+class _Helper:
+    @torch.compile
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(x) * x.sigmoid()
+
+
+def test_compiled_code_a_plain_object_holds_runs():
+    """Compiled code reached through a plain object's attributes is not refused: it
+    runs, unchecked, with gradients within float32 rounding of plain's (inductor's
+    kernels may differ from the recompute's in the last bits)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    block.helper = _Helper()  # type: ignore[assignment]
+
+    def run(f):
+        block.zero_grad(set_to_none=True)
+        out = f(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
+        out.square().sum().backward()
+        return out.detach(), [p.grad for p in block.parameters()]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return block(block.helper.act(block(x)))
+
+    torch.testing.assert_close(run(remat.remat(forward)), run(forward), rtol=1e-5, atol=1e-6)
 
 
 def test_disabled_code_inside_a_region_runs_as_plain():
