@@ -21,6 +21,7 @@ import torch
 from . import _torch_private
 from ._keep import Keeper, Run, Shape
 from ._provenance import (
+    _SELF_DESCRIBING,
     READS_METADATA,
     Made,
     Op,
@@ -341,7 +342,8 @@ class Replayer:
                 if id(value) in placeholders:
                     return True
             elif isinstance(value, (list, tuple)):
-                stack.extend(value)
+                if not _SELF_DESCRIBING.issuperset(map(type, value)):  # (sizes: natively)
+                    stack.extend(value)
             elif isinstance(value, dict):
                 stack.extend(value.values())
         return False
