@@ -419,6 +419,7 @@ class _Setting:
                     replayer.stand_in(copy, original, version)
             for t in in_place:  # (as the forward read it: not as what its ops made of it)
                 replayer.stand_in(t, t, t._version)
+                replayer.rewound.add(id(t))
             for original, twin in replant.twins if replant is not None else ():
                 if twin is not original:
                     replayer.stand_in(twin, original, original._version)

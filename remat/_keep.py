@@ -152,6 +152,7 @@ class Keeper:
         "steps",
         "table",
         "tags",
+        "viewed",
         "wanted",
     )
 
@@ -180,9 +181,10 @@ class Keeper:
         self.chained: dict[int, int] = {}  # op index -> its kept chain's last step
         self.table: dict[Any, list[int]] = {}  # signature -> op indices, in order
         self.outside: dict[int, Outside] = {}
+        self.viewed: dict[Any, tuple[int, int]] = {}  # (`Provenance.viewed`)
         self.made_outside: list[torch.Tensor] = []  # once the forward finished
         self.provenance: Provenance | None = Provenance(
-            unwrapped(inputs), self.outside, forward=True
+            unwrapped(inputs), self.outside, forward=True, viewed=self.viewed
         )
         self.made: dict[int, Made] = {}  # the forward's, once it finished
         self.described: list[Any] = []  # handle index -> the saved value's signature

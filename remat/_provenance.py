@@ -174,6 +174,7 @@ class Provenance:
         "outside",
         "shared",
         "twins",
+        "viewed",
     )
 
     def __init__(
@@ -183,6 +184,7 @@ class Provenance:
         forward: bool,
         earlier: dict[int, Made] | None = None,
         made_outside: list[torch.Tensor] | None = None,
+        viewed: dict[Any, tuple[int, int]] | None = None,
     ) -> None:
         self.made: dict[int, Made] = {}
         # A recompute's: what the forward made (a tensor it cached, still alive, is that).
@@ -205,6 +207,9 @@ class Provenance:
         # its twins stand for (`_twin`).
         self.made_outside = made_outside or []
         self.twins: set[int] = set()
+        # The views among the tensors from outside (`view_key`): their numbers and
+        # versions when the forward first read them, for `Replayer._as_read`.
+        self.viewed = {} if viewed is None else viewed
         # Made tensors by storage and layout, kept once a tensor subclass that re-wraps
         # outputs is met (an input, or at the first op that reads one, in both runs: one
         # from outside is described by its entry in the recompute, not `_aliased`): its
@@ -244,6 +249,8 @@ class Provenance:
             entry = self.outside[id(t)] = (weakref.ref(t), self.count, t._version, t.requires_grad)
             self.count += 1
             self.held.append(t)
+            if t._base is not None and type(t) is torch.Tensor:
+                self.viewed.setdefault(view_key(t), (entry[1], entry[2]))
         return ("outside", entry[1], t._version - entry[2])
 
     def transients(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -415,6 +422,11 @@ class Provenance:
                 self.alias(t, found)
                 return found
         return None
+
+
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a view ``t`` reads of its base's memory: the base, the memory, and how."""
+    return (id(t._base), t.untyped_storage().data_ptr(), *_geometry(t))
 
 
 def unwrapped(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -31,6 +31,7 @@ from ._provenance import (
     output_tensors,
     saved_value,
     unwrapped,
+    view_key,
     written,
 )
 from ._rng import placeholder_maps
@@ -68,6 +69,7 @@ class Replayer:
         "placeholders",
         "provenance",
         "restart",
+        "rewound",
         "special",
         "stop_after",
     )
@@ -98,6 +100,8 @@ class Replayer:
         # Where the kept values lent to a kept chain's first op lie (`Keeper.chain_value`):
         # the chain's steps write them as the forward did; an op that did not match must not.
         self.lent: set[int | None] = set()
+        # Ids of the module tensors rewound in place for the recompute (`_as_read`).
+        self.rewound: set[int] = set()
         # The ops that do not simply run again: kept, in a kept chain, or skipped.
         self.special = keeper.kept.keys() | keeper.chained.keys() | keeper.skip.keys()
 
@@ -121,6 +125,8 @@ class Replayer:
             again = self._match(self.provenance.signature(op, args, moved, None))
             if again is not None:
                 index, kwargs = again, moved
+        if index is None and not self.diverged and self.rewound and self.keeper.viewed:
+            index = self._as_read(op, args, kwargs)
         if (
             index is not None
             and not self.placeholders
@@ -327,6 +333,40 @@ class Replayer:
             return None
         self.cursor[key] = k + 1
         return indices[k]
+
+    def _as_read(self, op: Op, args: Any, kwargs: Any) -> int | None:
+        """The op, if it matches once its arguments that view a module tensor rewound in
+        place stand for the view of the same memory that the forward read from outside.
+
+        A view the forward takes anew at each call and keeps where remat does not look
+        (a plain object's attribute): the recompute reads the one its own forward took,
+        which an op of that forward made, where the forward read the one its call before
+        took. The tensor is rewound to its content and version at the forward's entry, so
+        the same memory at the same version holds what the forward read.
+        """
+        provenance = self.provenance
+        added = []
+        for t in arg_tensors(list(args)):
+            made = provenance.made.get(id(t))
+            if (
+                type(t) is not torch.Tensor
+                or t._base is None
+                or id(t._base) not in self.rewound
+                or (made is not None and made.ref() is t)
+                or id(t) in provenance.aliases
+            ):
+                continue
+            read = self.keeper.viewed.get(view_key(t))
+            if read is not None:
+                provenance.alias(t, ("outside", read[0], t._version - read[1]))
+                added.append(id(t))
+        if not added:
+            return None
+        index = self._match(provenance.signature(op, args, kwargs, None))
+        if index is None:
+            for key in added:
+                del provenance.aliases[key]
+        return index
 
     def _skippable(self, op: Op, args: Any) -> bool:
         """A view (detach, alias) may pass its input's provenance on, so its readers need

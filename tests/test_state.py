@@ -1673,14 +1673,15 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
     held remat's copy after the backward. Now the call hands back the same view of the
     buffer: plain's training, and the view shows the buffer. (Under the per-op policies,
     a new view each call is an attribute of a plain object rebound by the forward, which
-    the recompute reads as the backward finds it: they raise, as docs/limitations.md
-    says, for a subclass buffer, which the recompute copies. A buffer or parameter is
-    rewound in place for the recompute, which reads it itself: a batch norm's running mean
-    trains as plain under every policy; one a module updates with ``mul_`` and ``add_``
-    trains as plain, or raises that false alarm under some per-op policies. A parameter
-    that requires grad was copied until stop 54, and the default policy's gradients
-    differed from plain's with no error for a view, a slice and ``.T`` read after the
-    update.)"""
+    the recompute reads as the backward finds it: the view its own forward took, where
+    the forward read the one its call before took. For a subclass buffer, which the
+    recompute copies, they raise, as docs/limitations.md says. A buffer or parameter is
+    rewound in place for the recompute: the same memory at the same version stands for
+    the view the forward read (`Replayer._as_read`), and every policy trains as plain;
+    until stop 55 the per-op policies raised for a view, a slice and ``.T`` of one a
+    module updates with ``mul_`` and ``add_``. A parameter that requires grad was copied
+    until stop 54, and the default policy's gradients differed from plain's with no error
+    for a view, a slice and ``.T`` read after the update.)"""
 
     def train(model: nn.Module) -> list[Any]:
         results = []
@@ -1699,20 +1700,44 @@ def test_a_view_of_an_updated_buffer_the_forward_keeps_in_an_object(policy, how,
         with pytest.raises(remat.RecomputeError, match="never rebuilt"):
             train(kept)
         return
-    got: Any
-    try:
-        got = train(kept)
-    except remat.RecomputeError as error:
-        got = error
-    if isinstance(got, remat.RecomputeError):  # (a buffer's, as above)
-        assert per_op
-        assert how != ".real"
-        assert child in ("buffer", "parameter")
-        assert "never rebuilt" in str(got)
-        return
-    assert_tree_equal(got, expected)
+    assert_tree_equal(train(kept), expected)
     memory = model.box.cache.untyped_storage().data_ptr()
     assert memory == model.child.running.untyped_storage().data_ptr()
+
+
+_WHOLE = ("save_nothing", "save_everything")  # (not per-op)
+
+
+class _KeepsOtherSlices(nn.Module):
+    """Keeps a slice of its child's statistic in a plain object, from the front or the
+    back by the call's flag, and reads the one its last call kept after the update."""
+
+    def __init__(self, child: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = _CHILDREN[child]()
+        self.box = _Box(self.child.running)
+        self.box.cache = self.child.running[1:]
+
+    def forward(self, x: torch.Tensor, front: bool) -> torch.Tensor:
+        h = self.child(x)
+        read = self.box.cache.sum()
+        self.box.cache = self.box.t[:-1] if front else self.box.t[1:]
+        return (h * (1 + read)).tanh()
+
+
+@pytest.mark.parametrize("child", ["buffer", "parameter"])
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in _WHOLE])
+def test_a_kept_slice_of_other_memory_than_the_forward_read_raises(policy, child):
+    """The per-op recompute takes a view of a tensor it rewinds in place, read where the
+    forward read another view of it from outside, for that one only where both show the
+    same memory (`Replayer._as_read`): here the forward read the slice its call before
+    kept (the back), the recompute reads its own forward's (the front), which holds
+    other values. It raises, naming the value never rebuilt; taken for the forward's, it
+    would give other gradients with no error."""
+    loss = remat.apply(_KeepsOtherSlices(child), policy=POLICIES[policy])(_batch(0), True)
+    with pytest.raises(remat.RecomputeError, match="never rebuilt"):
+        loss.pow(2).sum().backward()
 
 
 class _ViewsInATransform(nn.Module):
