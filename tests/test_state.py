@@ -1740,6 +1740,57 @@ def test_a_kept_slice_of_other_memory_than_the_forward_read_raises(policy, child
         loss.pow(2).sum().backward()
 
 
+class _MultipliesByAKeptView(nn.Module):
+    """Multiplies by the transpose of its matrix that its call before kept in a plain
+    object (the matmul saves it for the backward), after updating the matrix in place."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 6, dtype=DTYPE)
+        matrix = torch.randn(6, 6, dtype=DTYPE) / 10
+        if kind == "parameter":
+            self.matrix = nn.Parameter(matrix)
+        else:
+            self.register_buffer("matrix", matrix)
+        self.box = _Box(self.matrix)
+        self.box.cache = self.matrix.T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        with torch.no_grad():
+            self.matrix.mul_(0.9).add_(0.01)
+        out = (h @ self.box.cache).tanh()
+        self.box.cache = self.matrix.T
+        return out
+
+
+@pytest.mark.parametrize("kind", ["buffer", "parameter"])
+@pytest.mark.parametrize("policy", ["save_nothing", "save_matmuls", "memory_budget:0.3"])
+def test_a_kept_view_a_matmul_saves_raises_the_false_alarm_docs_name(policy, kind):
+    """docs/limitations.md: a kept view of a buffer rewound in place, saved by a matmul,
+    trains as plain under save_matmuls, and raises the false alarm under memory_budget; a
+    kept view with autograd history (``.T`` of a parameter that requires grad) raises it
+    under every policy. Plain trains."""
+
+    def train(model: nn.Module) -> list[torch.Tensor]:
+        results = []
+        for step in range(3):
+            x = _batch(step).requires_grad_()
+            model(x).pow(2).sum().backward()
+            results += [x.grad, model.linear.weight.grad.clone(), model.matrix.detach().clone()]
+            model.zero_grad()
+        return results
+
+    expected = train(_MultipliesByAKeptView(kind))
+    kept = remat.apply(_MultipliesByAKeptView(kind), policy=POLICIES[policy])
+    if kind == "buffer" and policy != "memory_budget:0.3":
+        assert_tree_equal(train(kept), expected)
+    else:
+        with pytest.raises(remat.RecomputeError, match=r"never rebuilt|diverged"):
+            train(kept)
+
+
 class _ViewsInATransform(nn.Module):
     """Reads a view of its batch norm's running mean, held in a plain object, inside
     ``torch.func.vmap`` after the update."""
