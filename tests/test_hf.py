@@ -757,3 +757,19 @@ def test_compiled_steps_equal_compiled_plain_with_no_region_frames(name):
         results.append(losses)
     torch._dynamo.reset()
     _assert_same(*results)
+
+
+def test_the_compiled_call_kept_for_generation_is_refused_by_a_region_on_the_model():
+    """docs/compile.md: the compiled ``__call__`` Hugging Face keeps on a model for
+    compiled generation (`get_compiled_call`) is compiled code the model holds: a region
+    on the model refuses it, the layers' regions never reach it, and the model trains as
+    plain once it is deleted."""
+    model, layer = _model("llama")
+    model.get_compiled_call(None)  # (compiles at its first call only: none here)
+    expected = _train(copy.deepcopy(model))
+    _assert_same(expected, _train(remat.apply(copy.deepcopy(model), layer)))
+    model.forward = remat.remat(model.forward)  # one region: the whole model
+    with pytest.raises(TypeError, match=r"compiled function .*torch\.compile\(remat\(fn\)\)"):
+        _train(model)
+    del model._compiled_call
+    _assert_same(expected, _train(model))
