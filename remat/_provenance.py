@@ -250,7 +250,9 @@ class Provenance:
             self.count += 1
             self.held.append(t)
             if t._base is not None and type(t) is torch.Tensor:
-                self.viewed.setdefault(view_key(t), (entry[1], entry[2]))
+                key = view_key(t)
+                if key is not None:
+                    self.viewed.setdefault(key, (entry[1], entry[2]))
         return ("outside", entry[1], t._version - entry[2])
 
     def transients(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -424,9 +426,13 @@ class Provenance:
         return None
 
 
-def view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """What a view ``t`` reads of its base's memory: the base, the memory, and how."""
-    return (id(t._base), t.untyped_storage().data_ptr(), *_geometry(t))
+def view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What a view ``t`` reads of its base's memory: the base, the memory, and how (None
+    for a tensor with no storage or shape: a torch.func wrapper, a nested tensor)."""
+    try:
+        return (id(t._base), t.untyped_storage().data_ptr(), *_geometry(t))
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def unwrapped(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -356,7 +356,8 @@ class Replayer:
                 or id(t) in provenance.aliases
             ):
                 continue
-            read = self.keeper.viewed.get(view_key(t))
+            shown = view_key(t)
+            read = self.keeper.viewed.get(shown) if shown is not None else None
             if read is not None:
                 provenance.alias(t, ("outside", read[0], t._version - read[1]))
                 added.append(id(t))

@@ -213,6 +213,8 @@ def _tolerance(orders):
 # may skip none (a skipped input of the kept softmax crashed the outer backward).
 @example(stack=[_t_grad, _t_grad], body="softmax", policy=_KEEP_SOFTMAX)
 @example(stack=[_t_jacfwd, _t_grad], body="softmax", policy=remat.policies.memory_budget(0.5))
+# A view from outside under two jvp levels, a wrapper with no storage (fuzz found it).
+@example(stack=[_t_jacfwd, _t_jacfwd], body="inner_grad", policy=remat.policies.save_matmuls)
 @given(
     stack=st.lists(transforms, min_size=1, max_size=3),
     body=st.sampled_from(sorted(BODIES)),
