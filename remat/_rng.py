@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _torch_private
 from ._errors import RecomputeError
 from ._torch_private import functorch_cleared, generator_identity
 
@@ -71,14 +73,27 @@ def _set_state(generator: torch.Generator, state: torch.Tensor) -> None:
 def threaded() -> bool:
     """Whether other threads are alive, which may draw from the shared generators.
 
-    tqdm's monitor thread does not count: it only refreshes stalled progress bars, and
-    any progress bar starts it for the life of the process (torch.compile's do).
+    Threads whose code never draws do not count, though they live as long as the
+    process: tqdm's monitor thread, which only refreshes stalled progress bars (any bar
+    starts it, torch.compile's do), and inductor's compile threads.
     """
     if threading.active_count() == 1:
         return False
-    monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", ())
     current = threading.current_thread()
-    return any(t is not current and not isinstance(t, monitor) for t in threading.enumerate())
+    return any(t is not current and not _quiet(t) for t in threading.enumerate())
+
+
+# Threads by identity: whether they never draw (`threaded`). A thread's code is fixed.
+_QUIET: weakref.WeakKeyDictionary[threading.Thread, bool] = weakref.WeakKeyDictionary()
+
+
+def _quiet(thread: threading.Thread) -> bool:
+    quiet = _QUIET.get(thread)
+    if quiet is None:
+        monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", ())
+        quiet = isinstance(thread, monitor) or _torch_private.inductor_thread(thread)
+        _QUIET[thread] = quiet
+    return quiet
 
 
 def is_random(func: Any) -> bool:

@@ -14,6 +14,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from concurrent.futures import thread as futures_thread
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "functorch_cleared",
     "functorch_interpreters",
     "generator_identity",
+    "inductor_thread",
     "is_dead_wrapper",
     "level_witness",
     "levels_popped",
@@ -677,6 +679,24 @@ def compiled(obj: Any, in_place: bool = True) -> bool:
         frames = sys.modules.get("torch._dynamo.eval_frame")
         return frames is None or not isinstance(obj.dynamo_ctx, frames.DisableContext)
     return not getattr(obj, "_torchdynamo_disable", False)
+
+
+def inductor_thread(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is one of inductor's compile threads: a worker of its compile
+    pool, or a thread of its subprocess pool (its reader, timer, health monitor or
+    watchdog). They compile kernels and wait, and never draw random numbers; once a
+    compile with more than one thread made them, they live as long as the process.
+    torch names none of them publicly: a running thread's target is read from
+    ``Thread._target``, which ``Thread.run`` drops once the target returns."""
+    target = getattr(thread, "_target", None)
+    owner = type(getattr(target, "__self__", None))
+    if owner.__module__.startswith("torch._inductor.compile_worker."):
+        return True
+    compiling = sys.modules.get("torch._inductor.async_compile")
+    if compiling is None or target is not futures_thread._worker:
+        return False
+    pool = compiling.AsyncCompile.pool
+    return pool.cache_info().currsize > 0 and thread._args[0]() is pool()  # type: ignore[attr-defined]
 
 
 def parametrization_cache() -> tuple[int, dict[Any, Any]]:

@@ -52,6 +52,23 @@ def another_thread_alive() -> Any:
         idle.join()
 
 
+@contextlib.contextmanager
+def inductor_pool_alive() -> Any:
+    """Inductor's compile pool with a worker running, as a compile with more than one
+    thread leaves it for the process's life; yields the worker threads. Shut down after."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    assert AsyncCompile.pool.cache_info().currsize == 0  # (the thread guard in conftest)
+    with torch._inductor.config.patch(compile_threads=2):
+        pool = AsyncCompile.pool()
+    try:
+        pool.submit(lambda: None).result()
+        yield list(pool._threads)
+    finally:
+        pool.shutdown(wait=True)
+        AsyncCompile.pool.cache_clear()
+
+
 def run_alone(source: str, cwd: Any) -> list[str]:
     """The lines ``source`` prints, run in a process of its own (pytest's workers may keep
     threads alive), with ``tests`` importable after the installed remat."""

@@ -25,6 +25,7 @@ from tests.helpers import (
     another_thread_alive,
     each_device,
     global_rng_states,
+    inductor_pool_alive,
     run_alone,
     step_with_idle_thread,
 )
@@ -264,6 +265,34 @@ def test_tqdm_monitor_thread_does_not_count_as_another_thread():
     assert not threaded()
     with another_thread_alive():
         assert threaded()
+
+
+def test_inductor_compile_threads_do_not_count_as_other_threads():
+    """Once a compile with more than one thread made it, inductor's compile pool lives as
+    long as the process; it never draws, so the default policy's recompute still lends the
+    forward's state, without a dispatch mode (docs/rng.md, Threads)."""
+    from remat._rng import threaded
+
+    seen: list[torch.Tensor] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_rng_state())
+        return torch.nn.functional.dropout(x, 0.5).exp()
+
+    with inductor_pool_alive():
+        assert not threaded()
+        with another_thread_alive():  # a thread of the user's still counts
+            assert threaded()
+        region = remat(fn)
+        x = torch.randn(8, requires_grad=True)
+        region(x).sum().backward()  # the watched first call
+        seen.clear()
+        y = region(x).sum()
+        caller = torch.get_rng_state()
+        y.backward()
+    assert len(seen) == 2
+    assert not torch.equal(seen[0], caller)
+    assert torch.equal(seen[1], seen[0])  # lent: the recompute drew from the forward's state
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)

@@ -836,3 +836,31 @@ def test_compiled_tells_what_torch_compile_made_from_what_disable_made():
     linear.compile()
     assert tp.compiled(linear)
     assert not tp.compiled(linear, in_place=False)
+
+
+def test_inductor_thread_tells_inductors_compile_threads_from_others():
+    """The threads of inductor's subprocess pool and the workers of its compile pool are
+    inductor's; a worker of another pool and a thread of the user's are not."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._inductor.compile_worker.subproc_pool import SubprocPool
+
+    from tests.helpers import another_thread_alive, inductor_pool_alive
+
+    before = set(threading.enumerate())
+    subprocesses = SubprocPool(1)
+    try:
+        made = [t for t in threading.enumerate() if t not in before]
+        assert made
+        assert all(tp.inductor_thread(t) for t in made)
+    finally:
+        subprocesses.shutdown()
+    with inductor_pool_alive() as workers:
+        assert workers
+        assert all(tp.inductor_thread(t) for t in workers)
+    with ThreadPoolExecutor(1) as other:
+        other.submit(lambda: None).result()
+        assert not any(tp.inductor_thread(t) for t in other._threads)
+    with another_thread_alive():
+        assert not any(tp.inductor_thread(t) for t in threading.enumerate())
