@@ -75,7 +75,8 @@ def threaded() -> bool:
 
     Threads whose code never draws do not count, though they live as long as the
     process: tqdm's monitor thread, which only refreshes stalled progress bars (any bar
-    starts it, torch.compile's do), and inductor's compile threads.
+    starts it, torch.compile's do), inductor's compile threads, and a Jupyter kernel's
+    own threads (`_KERNEL_THREADS`).
     """
     if threading.active_count() == 1:
         return False
@@ -91,9 +92,42 @@ def _quiet(thread: threading.Thread) -> bool:
     quiet = _QUIET.get(thread)
     if quiet is None:
         monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", ())
-        quiet = isinstance(thread, monitor) or _torch_private.inductor_thread(thread)
+        quiet = (
+            isinstance(thread, monitor)
+            or _torch_private.inductor_thread(thread)
+            or _kernel_thread(thread)
+        )
         _QUIET[thread] = quiet
     return quiet
+
+
+# The threads of a Jupyter kernel (ipykernel, IPython) that run none of the user's code:
+# its message channels, output streams, heartbeat, parent poller and history writer, by
+# class or by the method they run. A subshell's thread runs cells: it is not here.
+_KERNEL_THREADS = frozenset(
+    {
+        "ControlThread",
+        "Heartbeat",
+        "HistorySavingThread",
+        "IOPubThread._thread_main",
+        "OutStream._watch_pipe_fd",
+        "ParentPollerUnix",
+        "ParentPollerWindows",
+        "ShellChannelThread",
+    }
+)
+
+
+def _kernel_thread(thread: threading.Thread) -> bool:
+    kind = type(thread)
+    if kind.__module__.startswith(("ipykernel.", "IPython.")):
+        return kind.__qualname__ in _KERNEL_THREADS
+    target = getattr(thread, "_target", None)  # what a plain Thread runs, while it runs
+    owner = type(getattr(target, "__self__", None))
+    return (
+        owner.__module__.startswith("ipykernel.")
+        and f"{owner.__qualname__}.{getattr(target, '__name__', '')}" in _KERNEL_THREADS
+    )
 
 
 def is_random(func: Any) -> bool:

@@ -11,6 +11,7 @@ import copy
 import functools
 import io
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,6 +294,34 @@ def test_inductor_compile_threads_do_not_count_as_other_threads():
     assert len(seen) == 2
     assert not torch.equal(seen[0], caller)
     assert torch.equal(seen[1], seen[0])  # lent: the recompute drew from the forward's state
+
+
+def test_a_jupyter_kernels_own_threads_do_not_count_as_other_threads():
+    """A kernel's threads (channels, output streams, heartbeat, parent poller) run none of
+    the user's cells: in a notebook, regions need not capture per op for them. A thread
+    the notebook starts still counts."""
+    import nbclient
+    import nbformat
+
+    cell = (
+        "import threading\n"
+        "from remat._rng import threaded\n"
+        "print(threading.active_count() > 3, threaded())\n"
+        "stop = threading.Event()\n"
+        "mine = threading.Thread(target=stop.wait)\n"
+        "mine.start()\n"
+        "print(threaded())\n"
+        "stop.set()\n"
+        "mine.join()\n"
+    )
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    nbclient.NotebookClient(
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(Path(__file__).resolve().parents[1])}},
+    ).execute()
+    assert notebook.cells[0].outputs[0]["text"] == "True False\nTrue\n"
 
 
 @pytest.mark.parametrize("f", RANDOM_FUNCTIONS, ids=IDS)
