@@ -52,6 +52,29 @@ def another_thread_alive() -> Any:
         idle.join()
 
 
+def states_a_recompute_sees(policy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dropout region's second call (after its watched first): the CPU generator's state
+    as its forward began, as its recompute began, and the caller's at the backward."""
+    from remat import remat
+
+    seen: list[torch.Tensor] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_rng_state())
+        return F.dropout(x, 0.5).exp()
+
+    x = torch.randn(8, requires_grad=True)
+    region = remat(fn, policy=policy)
+    region(x).sum().backward()  # the watched first call
+    seen.clear()
+    y = region(x).sum()
+    caller = torch.get_rng_state()
+    y.backward()
+    assert len(seen) == 2
+    assert torch.equal(torch.get_rng_state(), caller)
+    return seen[0], seen[1], caller
+
+
 @contextlib.contextmanager
 def inductor_pool_alive() -> Any:
     """Inductor's compile pool with a worker running, as a compile with more than one

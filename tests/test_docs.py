@@ -30,7 +30,7 @@ from torch.func import hessian, jacfwd, jvp, vjp
 import remat
 from remat import policies
 from remat import remat as rematerialize
-from tests.helpers import POLICIES, assert_tree_equal, run_alone
+from tests.helpers import POLICIES, assert_tree_equal, run_alone, states_a_recompute_sees
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -206,23 +206,9 @@ def test_recompute_without_a_dispatch_mode_lends_the_forward_rng_state(
 ) -> None:
     """The default policy lends the forward's state during the recompute (after a region's
     watched first call); per-op policies do not."""
-    seen: list[torch.Tensor] = []
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.get_rng_state())
-        return torch.nn.functional.dropout(x, 0.5).exp()
-
-    x = torch.randn(8, requires_grad=True)
-    region = rematerialize(fn, policy=policy)
-    region(x).sum().backward()  # the watched first call replays on clones
-    seen.clear()
-    y = region(x).sum()
-    caller = torch.get_rng_state()
-    y.backward()
-    assert len(seen) == 2
-    assert not torch.equal(seen[0], caller)
-    assert torch.equal(seen[1], seen[0] if lent else caller), STALE
-    assert torch.equal(torch.get_rng_state(), caller)
+    forward, recompute, caller = states_a_recompute_sees(policy)
+    assert not torch.equal(forward, caller)
+    assert torch.equal(recompute, forward if lent else caller), STALE
 
 
 # Fixed issues that the page no longer lists: these fail if one comes back.

@@ -28,6 +28,7 @@ from tests.helpers import (
     global_rng_states,
     inductor_pool_alive,
     run_alone,
+    states_a_recompute_sees,
     step_with_idle_thread,
 )
 
@@ -274,26 +275,13 @@ def test_inductor_compile_threads_do_not_count_as_other_threads():
     forward's state, without a dispatch mode (docs/rng.md, Threads)."""
     from remat._rng import threaded
 
-    seen: list[torch.Tensor] = []
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.get_rng_state())
-        return torch.nn.functional.dropout(x, 0.5).exp()
-
     with inductor_pool_alive():
         assert not threaded()
         with another_thread_alive():  # a thread of the user's still counts
             assert threaded()
-        region = remat(fn)
-        x = torch.randn(8, requires_grad=True)
-        region(x).sum().backward()  # the watched first call
-        seen.clear()
-        y = region(x).sum()
-        caller = torch.get_rng_state()
-        y.backward()
-    assert len(seen) == 2
-    assert not torch.equal(seen[0], caller)
-    assert torch.equal(seen[1], seen[0])  # lent: the recompute drew from the forward's state
+        forward, recompute, caller = states_a_recompute_sees("save_nothing")
+    assert not torch.equal(forward, caller)
+    assert torch.equal(recompute, forward)  # lent: the recompute drew from the forward's state
 
 
 def test_a_jupyter_kernels_own_threads_do_not_count_as_other_threads():
