@@ -18,7 +18,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from typing import Any, NamedTuple
 
 import optree
@@ -337,6 +337,7 @@ class _Setting:
         generators: list[torch.Generator],
         policy: Policy,
         preserve_rng: bool,
+        function_modes: Sequence[Any],
     ) -> None:
         self.levels = _functorch.Levels.capture(inputs)
         self.modules = modules
@@ -344,9 +345,7 @@ class _Setting:
         self.cache = _torch_private.parametrization_cache()
         # The user's torch function modes (``torch.device(...)`` is one), not remat's own.
         self.function_modes = [
-            mode
-            for mode in _torch_private.function_modes()
-            if not type(mode).__module__.startswith("remat.")
+            mode for mode in function_modes if not type(mode).__module__.startswith("remat.")
         ]
         self.functions = _torch_private.subclass_functions_enabled()
         self.rng = RngCapture() if preserve_rng else None
@@ -385,11 +384,13 @@ class _Setting:
         self,
         stack: contextlib.ExitStack,
         region: Region,
+        hidden: _torch_private.Hidden,
         make_pack: Callable[
             [list[torch.Tensor], Replayer | None, bool, list[TraceEntry] | None], _RecomputePack
         ],
     ) -> tuple[Any, _RecomputePack]:
-        """Enter the forward's setting for one recompute; the call to make, and its pack."""
+        """Enter the forward's setting for one recompute; the call to make, and its pack.
+        The modes ``hidden`` holds (the backward's) are shown to the call."""
         leaves, tensors = region.call_now()
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
         stack.enter_context(torch.enable_grad())
@@ -435,6 +436,8 @@ class _Setting:
             guard.stand_in = replayer.stand_in if replayer is not None else None
             guard.same = replayer.same if replayer is not None else None
             stack.enter_context(LiveReads(guard))
+        if hidden.functions or hidden.dispatch:  # (the backward's)
+            stack.enter_context(hidden.shown())
         for function_mode in self.function_modes:
             stack.enter_context(function_mode)
         if _torch_private.subclass_functions_enabled() != self.functions:
@@ -481,9 +484,11 @@ class Region:
         policy: Policy,
         preserve_rng: bool,
         check: bool,
-        namespace: str = "",
+        namespace: str,
+        hidden: _torch_private.Hidden,
     ) -> None:
         self.fn = fn
+        self.hidden = hidden  # the modes ``fn``'s call shows
         self.call: Any = call  # the caller's own arguments, for the forward
         # What the recompute calls ``fn`` with: the call's leaves in its structure as the call
         # began, rebuilt (a list or dict the caller, or ``fn``, changes later is the
@@ -500,7 +505,9 @@ class Region:
         self.kinds = bytearray()  # per pack of the forward, in order: handle (1) or not (0)
         self.meta: list[_Meta] = []
         self.saved_inputs: set[int] = set()
-        self.setting = _Setting(owner, reach, inputs, modules, generators, policy, preserve_rng)
+        self.setting = _Setting(
+            owner, reach, inputs, modules, generators, policy, preserve_rng, hidden.functions
+        )
         self.levels, self.keeper = self.setting.levels, self.setting.keeper  # read everywhere
         self.transformed = bool(self.levels)  # under torch.func levels
         self.mode: OpMode | None = None  # the forward's, while it runs
@@ -531,18 +538,18 @@ class Region:
             rng.start(setting.generators)
         closures = self.levels.watch_closures(self.tensors)
         self.running = True
-        with running, enabled, hooks, self.mode or _NOTHING, closures:
-            try:
-                out = self.fn(*self.call[0], **self.call[1])
-            finally:
-                self.running = False
+        with running:
+            with self.hidden.shown(), enabled, hooks, self.mode or _NOTHING, closures:
+                try:
+                    out = self.fn(*self.call[0], **self.call[1])
+                finally:
+                    self.running = False
+            self.mode = None
             if rng is not None:
                 rng.finish()
-            self.mode = None
             self.check_inputs(inside=True)
             if setting.modules is not None:
-                with QUIET:  # its comparisons are remat's ops, not the region's
-                    setting.modules.settle()
+                setting.modules.settle()
             outer = self.enclosing()
             self.call = None  # (the caller's: not held)
             if outer is not None:
@@ -1059,9 +1066,9 @@ def _end_pass(unpack: weakref.ref[_Unpack], key: int) -> None:
 
 def _rerun(region: Region, needed: set[int]) -> dict[int, torch.Tensor]:
     """Run ``fn`` again at the forward's levels and state, up to the last needed value."""
-    with contextlib.ExitStack() as stack:
+    with _torch_private.Hidden() as hidden, contextlib.ExitStack() as stack:
         call, pack = region.setting.recreate(
-            stack, region, functools.partial(_RecomputePack, region, needed)
+            stack, region, hidden, functools.partial(_RecomputePack, region, needed)
         )
         replayer = pack.replayer
         try:

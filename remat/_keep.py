@@ -735,4 +735,5 @@ def _move(out: Any, device: torch.device) -> Any:
         copy = torch.empty_like(t, device=device, pin_memory=pin)
         return copy.copy_(t, non_blocking=pin or device.type == "cuda")
 
-    return _map(out, move)
+    with _torch_private.Hidden():  # (remat's copies: no mode of the user's sees them)
+        return _map(out, move)

@@ -53,6 +53,8 @@ class track(_torch_private.TorchDispatchMode):  # noqa: N801 - used as a context
         524288
     """
 
+    sees_remat = True  # remat's own copies are memory too (`_torch_private.Hidden`)
+
     def __init__(self) -> None:
         super().__init__()
         self.live = 0

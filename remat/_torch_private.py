@@ -13,7 +13,7 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import thread as futures_thread
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ __all__ = [
     "TorchDispatchMode",
     "checkpoint_options",
     "subclass_functions_enabled",
-    "function_modes",
+    "Hidden",
     "subclass_functions",
     "torch_functions_off",
     "compiled",
@@ -631,17 +631,76 @@ def subclass_functions_enabled() -> bool:
     return bool(torch._C._is_torch_function_enabled())
 
 
-def function_modes() -> list[Any]:
-    """The torch function modes active here, outermost first (none, the usual: one call).
+_INFRA = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+_NO_MODES = contextlib.nullcontext()
 
-    Autograd runs backward hooks, and so remat's recompute, with none active; torch has
-    no public way to read the stack.
+
+class Hidden:
+    """Within the block, no torch function mode and no dispatch mode is active but torch's
+    own (fake tensors, tracing, functionalization) and remat's meter (`remat.memory.track`,
+    marked ``sees_remat``: remat's copies are memory too): remat's own calls (module
+    snapshots, copies, comparisons) are no op of ``fn``'s, and a mode of the user's that
+    changes values must not change them. `shown` puts the modes back for ``fn``'s call.
+
+    The modes are popped and pushed back as they are, not exited and entered again:
+    ``__enter__`` and ``__exit__`` may do more (`FlopCounterMode` resets its counts).
+    torch has no public way to read or change the mode stacks.
     """
-    if not torch._C._len_torch_function_stack():
-        return []
-    from torch.overrides import _get_current_function_mode_stack
 
-    return list(_get_current_function_mode_stack())
+    __slots__ = ("dispatch", "functions")
+    functions: Sequence[Any]
+    dispatch: Sequence[Any]
+
+    def __enter__(self) -> Hidden:
+        functions = torch._C._len_torch_function_stack()
+        users = torch._C._len_torch_dispatch_stack()
+        self.functions = self.dispatch = ()  # (the usual: no mode)
+        if functions:
+            pop = torch._C._pop_torch_function_stack
+            self.functions = [pop() for _ in range(functions)][::-1]  # (outermost first)
+        if users:  # torch's own modes are popped last
+            users -= sum(torch._C._get_dispatch_mode(key) is not None for key in _INFRA)
+            pop = torch._C._pop_torch_dispatch_stack
+            self.dispatch = [pop(None) for _ in range(users)][::-1]
+            for mode in self.dispatch:
+                if getattr(mode, "sees_remat", False):  # `remat.memory.track`
+                    torch._C._push_on_torch_dispatch_stack(mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.functions or self.dispatch:
+            self._pop_meters()
+            self._push()
+
+    def _pop_meters(self) -> None:
+        for mode in self.dispatch:
+            if getattr(mode, "sees_remat", False):
+                torch._C._pop_torch_dispatch_stack(None)
+
+    def _push(self) -> None:
+        for mode in self.functions:
+            torch._C._push_on_torch_function_stack(mode)
+        for mode in self.dispatch:
+            torch._C._push_on_torch_dispatch_stack(mode)
+
+    def shown(self) -> contextlib.AbstractContextManager[Any]:
+        """Within the block, the hidden modes are active again."""
+        return self._shown() if self.functions or self.dispatch else _NO_MODES
+
+    @contextlib.contextmanager
+    def _shown(self) -> Iterator[None]:
+        self._pop_meters()
+        self._push()
+        try:
+            yield
+        finally:
+            for _ in self.functions:
+                torch._C._pop_torch_function_stack()
+            for _ in self.dispatch:
+                torch._C._pop_torch_dispatch_stack(None)
+            for mode in self.dispatch:
+                if getattr(mode, "sees_remat", False):
+                    torch._C._push_on_torch_dispatch_stack(mode)
 
 
 def generator_identity(generator: torch.Generator) -> int:

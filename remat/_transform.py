@@ -141,39 +141,41 @@ def remat(
             return traced(fn, args, kwargs, resolved, preserve_rng)
         if resolved.budget is not None and resolved.per_op and _torch_private.compile_callback():
             torch.compiler.disable(refuse_budget)(resolved)
-        leaves, structure, nodes = flatten_call((args, kwargs), namespace)
-        inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        reached = reachable(fn, leaves)
-        owner = owner_of(fn, args[0] if args else None)
-        modules = ModuleState.capture(owner, reached, leaves, structure)
-        if resolved.per_op and modules is not None:
-            modules.refuse_lazy(resolved)
-        restored = modules.restored() if modules is not None else set()
-        shared = call_plan((args, kwargs), leaves, nodes, namespace, restored)
-        del nodes
-        generators = []
-        if preserve_rng:
-            extra = modules.generators if modules is not None else []
-            generators = [*reached.generators, *extra]
-        region = Region(
-            fn,
-            owner,
-            tuple(map(id, reached.modules)),
-            (args, kwargs),
-            (leaves, structure, shared),
-            inputs,
-            modules,
-            generators,
-            resolved,
-            preserve_rng,
-            compare,
-            namespace,
-        )
-        check_caches = _hf.watch_caches(fn, leaves)
-        out = region.forward()
-        if check_caches is not None:
-            check_caches()  # raises if the forward wrote to a Hugging Face cache
-        return out
+        with _torch_private.Hidden() as hidden:  # (a mode of the user's sees ``fn``'s ops only)
+            leaves, structure, nodes = flatten_call((args, kwargs), namespace)
+            inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            reached = reachable(fn, leaves)
+            owner = owner_of(fn, args[0] if args else None)
+            modules = ModuleState.capture(owner, reached, leaves, structure)
+            if resolved.per_op and modules is not None:
+                modules.refuse_lazy(resolved)
+            restored = modules.restored() if modules is not None else set()
+            shared = call_plan((args, kwargs), leaves, nodes, namespace, restored)
+            del nodes
+            generators = []
+            if preserve_rng:
+                extra = modules.generators if modules is not None else []
+                generators = [*reached.generators, *extra]
+            region = Region(
+                fn,
+                owner,
+                tuple(map(id, reached.modules)),
+                (args, kwargs),
+                (leaves, structure, shared),
+                inputs,
+                modules,
+                generators,
+                resolved,
+                preserve_rng,
+                compare,
+                namespace,
+                hidden,
+            )
+            check_caches = _hf.watch_caches(fn, leaves)
+            out = region.forward()
+            if check_caches is not None:
+                check_caches()  # raises if the forward wrote to a Hugging Face cache
+            return out
 
     if not torch.compiler.is_compiling():
         # (Dynamo breaks the graph copying a partial's ``__dict__``, as `remat.checkpoint`

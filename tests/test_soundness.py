@@ -1140,6 +1140,54 @@ def test_function_mode_around_the_call_is_replayed(policy):
         assert_tree_equal(grad(f), grad(fn))
 
 
+class _DoublingClones(torch.overrides.TorchFunctionMode):
+    """A user's function mode that changes what ``Tensor.clone`` computes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.Tensor.clone else out
+
+
+class _Bfloat16(torch.utils._python_dispatch.TorchDispatchMode):
+    """A user's dispatch mode that emulates bfloat16: the float32 value each op computes is
+    rounded (an op's alias of its input, a view or ``detach``, is not)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        computed = func._schema.returns[0].alias_info is None
+        if computed and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            return out.to(torch.bfloat16).float()
+        return out
+
+
+@pytest.mark.parametrize("mode", [_DoublingClones, _Bfloat16], ids=["function", "dispatch"])
+@pytest.mark.parametrize("policy", EVERY_POLICY.values(), ids=EVERY_POLICY.keys())
+def test_a_users_mode_around_the_step_sees_only_fns_ops(policy, mode):
+    """A value-changing mode of the user's around forward and backward: remat's own copies
+    of module state (a batch norm's statistics) and of kept values pass below it, so the
+    outputs, gradients, buffers and RNG state are plain's. They were not (a silent wrong
+    gradient under the default policy)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.GELU(), nn.Linear(8, 8)
+    )
+    x = torch.randn(4, 8)
+
+    def run(wrap):
+        model = copy.deepcopy(base)
+        f = wrap(model)
+        torch.manual_seed(3)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with mode():
+                out = f(x)
+                out.square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        return out, grads, list(model.buffers()), torch.get_rng_state()
+
+    assert_tree_equal(run(lambda m: remat(m, policy=policy)), run(lambda m: m))
+
+
 class _NamedNorm(nn.Module):
     """Names batch norm's output, one of its kernel's three (in evaluation too)."""
 

@@ -630,28 +630,55 @@ def test_generator_identity_names_the_generator_a_dispatch_mode_is_handed():
     assert tp.generator_identity(handed[0]) == tp.generator_identity(g)
 
 
-def test_function_modes_reads_the_stack_outermost_first_and_none_in_backward_hooks():
-    """`function_modes` lists the active torch function modes, outermost first; autograd
-    runs saved-tensor hooks with none active (why remat enters the forward's)."""
+def test_hidden_pops_the_modes_but_torchs_own_and_shown_pushes_them_back():
+    """`Hidden` pops every function mode and every dispatch mode but torch's own (fake
+    tensors here), outermost first, and puts them back; `shown` pushes them for a block
+    without entering them again (`FlopCounterMode` would start over). Autograd runs
+    saved-tensor hooks with no function mode (why remat enters the forward's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def stacks():
+        functions = torch._C._len_torch_function_stack()
+        dispatch = torch._C._len_torch_dispatch_stack()
+        return (
+            [torch._C._get_function_stack_at(i) for i in range(functions)],
+            [torch._C._get_dispatch_stack_at(i) for i in range(dispatch)],
+        )
 
     class Through(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             return func(*args, **(kwargs or {}))
 
-    assert tp.function_modes() == []
-    with torch.device("cpu"):  # a function mode too
-        assert len(tp.function_modes()) == 1
-    seen = []
-    with Through() as outer, Through() as inner:
-        assert tp.function_modes() == [outer, inner]
-        x = torch.ones(2, requires_grad=True)
+    with tp.Hidden() as hidden:
+        assert len(hidden.functions) + len(hidden.dispatch) == 0
+        assert stacks() == ([], [])
+        assert isinstance(hidden.shown(), contextlib.nullcontext)
+    flops = FlopCounterMode(display=False)
+    fake = FakeTensorMode()
+    with fake, torch.device("cpu"), Through() as through, flops:
+        x, w = torch.ones(4, 4), torch.ones(4, 4)
+        before = stacks()
+        with tp.Hidden() as hidden:
+            assert hidden.functions[1:] == [through]  # (after torch.device's)
+            assert len(hidden.dispatch) == 1  # (FlopCounterMode's own)
+            assert stacks() == ([], [fake])
+            (x @ w).sum()  # fake, and no FLOP counted
+            with hidden.shown():
+                assert stacks() == before
+                x @ w
+            assert stacks() == ([], [fake])
+        assert stacks() == before
+        seen = []
+        y = torch.ones(2, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: t, lambda t: seen.append(tp.function_modes()) or t
+            lambda t: t, lambda t: seen.append(stacks()[0]) or t
         ):
-            y = x.sin().sum()
-        y.backward()
+            z = y.sin().sum()
+    z.backward()
     assert seen == [[]]
+    assert flops.get_total_flops() == 2 * 4 * 4 * 4
 
 
 def test_install_leaves_torch_alone_outside_regions():
