@@ -159,19 +159,29 @@ def _measure_memory(step: Callable[[], Tensor], device: torch.device) -> tuple[i
     return held, peak, loss.detach()
 
 
+# What a mode's steps run inside, untimed (`_IdleThread`): a context manager's factory.
+Around = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
 def _interleaved_times(
-    steps: dict[str, Callable[[], None]], rounds: int, warmup: int
+    steps: dict[str, Callable[[], None]],
+    rounds: int,
+    warmup: int,
+    arounds: dict[str, Around] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds per step and round, modes taking turns in a shuffled order each round."""
+    """Seconds per step and round, modes taking turns in a shuffled order each round; a step
+    runs inside its mode's ``arounds`` entry, if any (entered and exited untimed)."""
     names, order = list(steps), random.Random(0)
     times: dict[str, list[float]] = {name: [] for name in names}
+    arounds = arounds or {}
     for i in range(warmup + rounds):
         order.shuffle(names)
         for name in names:
-            start = time.perf_counter()
-            steps[name]()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+            with arounds.get(name, contextlib.nullcontext)():
+                start = time.perf_counter()
+                steps[name]()
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -181,6 +191,7 @@ def _time_rows(
     rounds: int,
     warmup: int,
     device: torch.device,
+    arounds: dict[str, Around] | None = None,
 ) -> None:
     """Set each row's times: its mode's step, forward and backward, modes interleaved."""
     if not rounds:
@@ -192,7 +203,10 @@ def _time_rows(
             torch.cuda.synchronize()
 
     times = _interleaved_times(
-        {mode: functools.partial(timed, step) for mode, step in steps.items()}, rounds, warmup
+        {mode: functools.partial(timed, step) for mode, step in steps.items()},
+        rounds,
+        warmup,
+        arounds,
     )
     for row in rows:
         row.times = times[row.mode]
@@ -225,11 +239,13 @@ def gpt_workload(
         return model.loss(tokens, targets)
 
     rows = []
+    arounds = {mode: wrap.around for mode, wrap in all_modes.items() if hasattr(wrap, "around")}
     for mode, model in models.items():
-        held, peak, loss = _measure_memory(functools.partial(step, model), device)
+        with arounds.get(mode, contextlib.nullcontext)():
+            held, peak, loss = _measure_memory(functools.partial(step, model), device)
         rows.append(Row(name, mode, held, peak, loss=loss.item()))
     steps = {mode: functools.partial(step, model) for mode, model in models.items()}
-    _time_rows(rows, steps, rounds, warmup, device)
+    _time_rows(rows, steps, rounds, warmup, device, arounds)
     plain_loss = rows[0].loss
     for row in rows:
         row.same_loss = row.loss == plain_loss
@@ -292,12 +308,14 @@ def budget_summary(sweep: Sequence[Row], dominance: Sequence[Row]) -> str:
 OVERHEAD = GPTConfig(vocab=64, seq=16, width=16, heads=2, blocks=8, dropout=0.1)
 # Each remat policy, and the peer whose overhead it is compared with.
 UNCHECKED = "remat save_nothing without its generator check"
+THREADED = "remat save_nothing, another thread alive"
 # Reference points, not remat modes (`_replay`): dispatch modes alone, and a thin replay.
 MODES_ONLY = "torch.utils.checkpoint under pass-through dispatch modes"
 THIN_REPLAY = "torch.utils.checkpoint with a thin verified replay of the matmuls"
 OVERHEAD_PEERS = {
     "remat save_nothing": "torch.utils.checkpoint",
     UNCHECKED: "torch.utils.checkpoint",
+    THREADED: "torch.utils.checkpoint",
     "remat save_matmuls": SAC,
     "remat memory_budget(0.5)": SAC,
     MODES_ONLY: SAC,
@@ -346,6 +364,21 @@ def generator_check_restored() -> Iterator[None]:
         remat._engine.GeneratorWatch = remat._rng.GeneratorWatch  # type: ignore[attr-defined]
 
 
+class _IdleThread:
+    """Around a step: another thread alive that draws nothing (a logger's, a data loader's
+    pin-memory thread). remat cannot tell that it never draws: the default policy then
+    captures random numbers per op, under its dispatch mode (docs/rng.md#threads)."""
+
+    def __enter__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stop.wait, name="idle", daemon=True)
+        self.thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def overhead_modes() -> dict[str, Checkpoint]:
     """The overhead workload's modes: the remat policies, their peers and the reference points.
     `UNCHECKED` turns the generator check off until a remat mode turns it on: run them inside
@@ -354,6 +387,8 @@ def overhead_modes() -> dict[str, Checkpoint]:
     chosen = {mode: found[mode] for mode in ("plain", "torch.utils.checkpoint", SAC)}
     chosen["remat save_nothing"] = _generator_check(True, found["remat save_nothing"])
     chosen[UNCHECKED] = _generator_check(False, found["remat save_nothing"])
+    chosen[THREADED] = _generator_check(True, found["remat save_nothing"])
+    chosen[THREADED].around = _IdleThread  # type: ignore[attr-defined]
     chosen["remat save_matmuls"] = found["remat save_matmuls"]
     chosen["remat memory_budget(0.5)"] = remat.remat(policy=remat.policies.memory_budget(0.5))
     chosen[MODES_ONLY], chosen[THIN_REPLAY] = modes_only, thin_replay
@@ -386,7 +421,8 @@ def bytecodes(config: GPTConfig, device: torch.device, steps: int = 2) -> dict[s
     counts = {}
     with generator_check_restored():
         for mode, wrap in overhead_modes().items():
-            counts[mode] = _bytecodes_per_step(base, wrap, tokens, targets, steps)
+            with getattr(wrap, "around", contextlib.nullcontext)():
+                counts[mode] = _bytecodes_per_step(base, wrap, tokens, targets, steps)
     return counts
 
 

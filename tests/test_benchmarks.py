@@ -88,6 +88,21 @@ def test_the_unchecked_mode_leaves_the_generator_check_on_for_what_runs_after():
     assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch
 
 
+def test_the_threaded_mode_times_its_steps_with_another_thread_alive():
+    """`THREADED` runs each step (timed, and counted in bytecodes) with another thread alive,
+    so remat's default policy takes its threaded mode there, and only there; the thread ends
+    with the step."""
+    around = suite.overhead_modes()[suite.THREADED].around
+    seen: dict[str, list[bool]] = {"threaded": [], "plain": []}
+    steps = {mode: lambda mode=mode: seen[mode].append(remat._rng.threaded()) for mode in seen}
+    suite._interleaved_times(steps, 2, 1, {"threaded": around})
+    assert seen == {"threaded": [True] * 3, "plain": [False] * 3}
+    config = suite.dataclasses.replace(suite.OVERHEAD, blocks=1)
+    counts = suite.bytecodes(config, torch.device("cpu"), steps=1)
+    assert counts[suite.THREADED] > 1.2 * counts["remat save_nothing"]  # (per-op capture)
+    assert not remat._rng.threaded()
+
+
 def test_the_thin_replay_reference_keeps_the_matmuls_and_checks_each_op():
     """The overhead workload's thin verified replay computes plain's gradient, and raises at
     the first op its recompute runs differently (it is a check, not only a cost)."""
