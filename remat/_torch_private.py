@@ -647,14 +647,15 @@ class Hidden:
     torch has no public way to read or change the mode stacks.
     """
 
-    __slots__ = ("dispatch", "functions")
+    __slots__ = ("dispatch", "functions", "meters")
     functions: Sequence[Any]
     dispatch: Sequence[Any]
+    meters: Sequence[Any]
 
     def __enter__(self) -> Hidden:
         functions = torch._C._len_torch_function_stack()
         users = torch._C._len_torch_dispatch_stack()
-        self.functions = self.dispatch = ()  # (the usual: no mode)
+        self.functions = self.dispatch = self.meters = ()  # (the usual: no mode)
         if functions:
             pop = torch._C._pop_torch_function_stack
             self.functions = [pop() for _ in range(functions)][::-1]  # (outermost first)
@@ -662,26 +663,14 @@ class Hidden:
             users -= sum(torch._C._get_dispatch_mode(key) is not None for key in _INFRA)
             pop = torch._C._pop_torch_dispatch_stack
             self.dispatch = [pop(None) for _ in range(users)][::-1]
-            for mode in self.dispatch:
-                if getattr(mode, "sees_remat", False):  # `remat.memory.track`
-                    torch._C._push_on_torch_dispatch_stack(mode)
+            self.meters = [mode for mode in self.dispatch if getattr(mode, "sees_remat", False)]
+            _push((), self.meters)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.functions or self.dispatch:
-            self._pop_meters()
-            self._push()
-
-    def _pop_meters(self) -> None:
-        for mode in self.dispatch:
-            if getattr(mode, "sees_remat", False):
-                torch._C._pop_torch_dispatch_stack(None)
-
-    def _push(self) -> None:
-        for mode in self.functions:
-            torch._C._push_on_torch_function_stack(mode)
-        for mode in self.dispatch:
-            torch._C._push_on_torch_dispatch_stack(mode)
+            _pop(0, len(self.meters))
+            _push(self.functions, self.dispatch)
 
     def shown(self) -> contextlib.AbstractContextManager[Any]:
         """Within the block, the hidden modes are active again."""
@@ -689,18 +678,27 @@ class Hidden:
 
     @contextlib.contextmanager
     def _shown(self) -> Iterator[None]:
-        self._pop_meters()
-        self._push()
+        _pop(0, len(self.meters))
+        _push(self.functions, self.dispatch)
         try:
             yield
         finally:
-            for _ in self.functions:
-                torch._C._pop_torch_function_stack()
-            for _ in self.dispatch:
-                torch._C._pop_torch_dispatch_stack(None)
-            for mode in self.dispatch:
-                if getattr(mode, "sees_remat", False):
-                    torch._C._push_on_torch_dispatch_stack(mode)
+            _pop(len(self.functions), len(self.dispatch))
+            _push((), self.meters)
+
+
+def _push(functions: Sequence[Any], dispatch: Sequence[Any]) -> None:
+    for mode in functions:
+        torch._C._push_on_torch_function_stack(mode)
+    for mode in dispatch:
+        torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def _pop(functions: int, dispatch: int) -> None:
+    for _ in range(functions):
+        torch._C._pop_torch_function_stack()
+    for _ in range(dispatch):
+        torch._C._pop_torch_dispatch_stack(None)
 
 
 def generator_identity(generator: torch.Generator) -> int:

@@ -678,6 +678,16 @@ def test_hidden_pops_the_modes_but_torchs_own_and_shown_pushes_them_back():
             z = y.sin().sum()
     z.backward()
     assert seen == [[]]
+    from remat.memory import track
+
+    with FlopCounterMode(display=False), track() as meter, FlopCounterMode(display=False):
+        before = stacks()
+        with tp.Hidden() as hidden:  # remat's meter stays: remat's copies are memory too
+            assert stacks() == ([], [meter])
+            with hidden.shown():
+                assert stacks() == before
+            assert stacks() == ([], [meter])
+        assert stacks() == before
     assert flops.get_total_flops() == 2 * 4 * 4 * 4
 
 
