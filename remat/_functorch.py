@@ -157,9 +157,16 @@ class Levels:
                 return i
         return len(self.stack)
 
-    @contextlib.contextmanager
-    def restore(self, inputs: list[torch.Tensor]) -> Iterator[Replant | None]:
+    def restore(
+        self, inputs: list[torch.Tensor]
+    ) -> contextlib.AbstractContextManager[Replant | None]:
         """Run the block at the forward's levels; yields how to re-wrap, or None."""
+        if not self.stack and not tp.functorch_interpreters():
+            return _NOTHING  # (the usual: no level then, none now)
+        return self._restore(inputs)
+
+    @contextlib.contextmanager
+    def _restore(self, inputs: list[torch.Tensor]) -> Iterator[Replant | None]:
         now = [_describe(i) for i in tp.functorch_interpreters()]
         alive = self._alive(now)
         if alive == len(self.stack) == len(now):

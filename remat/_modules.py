@@ -1309,12 +1309,13 @@ class ModuleState:
         started: list[dict[str, Any]] = []
         rewound: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         try:
-            with torch.no_grad():
-                for i, at_entry in self.rewound.items():
-                    t = slots[i].tensor
-                    rewound.append((t, t.clone(), t._version))
-                    t.copy_(at_entry)
-                    _torch_private.set_version(t, slots[i].version)
+            if self.rewound:
+                with torch.no_grad():
+                    for i, at_entry in self.rewound.items():
+                        t = slots[i].tensor
+                        rewound.append((t, t.clone(), t._version))
+                        t.copy_(at_entry)
+                        _torch_private.set_version(t, slots[i].version)
             for holder, key, value in swaps:
                 previous.append((holder, key, _get(holder, key)))
                 _put(holder, key, value)
@@ -1326,10 +1327,11 @@ class ModuleState:
             started = list(map(dict.copy, tables))
             yield copies
         finally:
-            with torch.no_grad():
-                for t, now, version in rewound:
-                    t.copy_(now)
-                    _torch_private.set_version(t, version)
+            if rewound:
+                with torch.no_grad():
+                    for t, now, version in rewound:
+                        t.copy_(now)
+                        _torch_private.set_version(t, version)
             for place in filter(_moved, places):
                 _put(*place)
             if started and not _same_tables(tables, started):
