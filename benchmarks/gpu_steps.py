@@ -32,6 +32,7 @@ HF_SAC = "Hugging Face checkpointing + SAC (mm, addmm, bmm, baddbmm)"
 GPT_RATIOS = (
     ("remat save_nothing", "torch.utils.checkpoint"),
     (suite.UNCHECKED, "torch.utils.checkpoint"),
+    (suite.UNGUARDED, "torch.utils.checkpoint"),
     ("remat save_matmuls", suite.SAC),
     ("remat memory_budget(0.5)", suite.SAC),
 )
@@ -70,16 +71,21 @@ def _sync(device: torch.device) -> None:
 
 def gpt_rows(size: Sizes, device: torch.device) -> list[suite.Row]:
     """The bench's reference GPT in every mode of the bench, `memory_budget(0.5)`, and
-    `save_nothing` without its generator check (what the check costs, as on the overhead
-    workload)."""
+    `save_nothing` without its generator check and without its module-state checks too (what
+    each costs, as on the overhead workload). Every remat mode sets its checks (`suite.checks`)."""
     overhead = suite.overhead_modes()
     all_modes = {
-        **suite.modes()[0],
-        "remat save_nothing": overhead["remat save_nothing"],
-        "remat memory_budget(0.5)": overhead["remat memory_budget(0.5)"],
-        suite.UNCHECKED: overhead[suite.UNCHECKED],
+        mode: suite.checks(wrap) if mode.startswith("remat") else wrap
+        for mode, wrap in suite.modes()[0].items()
     }
-    with suite.generator_check_restored():
+    for mode in (
+        "remat save_nothing",
+        "remat memory_budget(0.5)",
+        suite.UNCHECKED,
+        suite.UNGUARDED,
+    ):
+        all_modes[mode] = overhead[mode]
+    with suite.checks_restored():
         return suite.gpt_workload(
             "reference GPT", size.gpt, 4, size.rounds, size.warmup, device, all_modes=all_modes
         )

@@ -309,6 +309,9 @@ OVERHEAD = GPTConfig(vocab=64, seq=16, width=16, heads=2, blocks=8, dropout=0.1)
 # Each remat policy, and the peer whose overhead it is compared with.
 UNCHECKED = "remat save_nothing without its generator check"
 THREADED = "remat save_nothing, another thread alive"
+# References, unsound: what remat's module-state checks cost (`checks`).
+UNGUARDED = "remat save_nothing without its module-state checks or generator check"
+MATMULS_UNGUARDED = "remat save_matmuls without its module-state checks"
 # Reference points, not remat modes (`_replay`): dispatch modes alone, and a thin replay.
 MODES_ONLY = "torch.utils.checkpoint under pass-through dispatch modes"
 THIN_REPLAY = "torch.utils.checkpoint with a thin verified replay of the matmuls"
@@ -316,7 +319,9 @@ OVERHEAD_PEERS = {
     "remat save_nothing": "torch.utils.checkpoint",
     UNCHECKED: "torch.utils.checkpoint",
     THREADED: "torch.utils.checkpoint",
+    UNGUARDED: "torch.utils.checkpoint",
     "remat save_matmuls": SAC,
+    MATMULS_UNGUARDED: SAC,
     "remat memory_budget(0.5)": SAC,
     MODES_ONLY: SAC,
     THIN_REPLAY: SAC,
@@ -336,17 +341,31 @@ class _Unwatched:
         return None
 
 
-def _generator_check(on: bool, wrap: Checkpoint) -> Checkpoint:
-    """``wrap``, with the recompute's explicit-generator check on or off (set at each forward,
-    for the backward that follows it): what the check costs. Off, a draw from a generator the
-    forward did not see gives other numbers, as torch.utils.checkpoint's does (docs/rng.md)."""
-    watch = remat._rng.GeneratorWatch if on else _Unwatched
+class _Unguarded:
+    """`remat._modules.ModuleState`'s stand-in where the module-state checks are off: no
+    capture, so the recompute reads modules as they are then, as torch.utils.checkpoint's does
+    (a module switched to ``eval()``, an attribute rebound or a parameter updated before the
+    backward then gives a wrong gradient with no error: docs/how-it-works.md#module-state)."""
+
+    @staticmethod
+    def capture(*args: Any) -> None:
+        del args
+
+
+def checks(wrap: Checkpoint, generator: bool = True, module_state: bool = True) -> Checkpoint:
+    """``wrap``, with the recompute's explicit-generator check and the module-state checks on
+    or off (set at each forward, for the backward that follows it): what each costs. Off, a
+    draw from a generator the forward did not see gives other numbers, as
+    torch.utils.checkpoint's does (docs/rng.md)."""
+    watch = remat._rng.GeneratorWatch if generator else _Unwatched
+    state = remat._modules.ModuleState if module_state else _Unguarded
 
     def checkpoint(block: Block) -> Block:
         region = wrap(block)
 
         def call(*args: Any) -> Any:
             remat._engine.GeneratorWatch = watch  # type: ignore[attr-defined, misc]
+            remat._transform.ModuleState = state  # type: ignore[attr-defined, misc]
             return region(*args)
 
         return call
@@ -355,13 +374,14 @@ def _generator_check(on: bool, wrap: Checkpoint) -> Checkpoint:
 
 
 @contextlib.contextmanager
-def generator_check_restored() -> Iterator[None]:
-    """Around a run of `UNCHECKED` (`_generator_check`): the check is back on when it ends, so
-    that whatever runs next in the process runs remat as it ships."""
+def checks_restored() -> Iterator[None]:
+    """Around a run of the modes that turn checks off (`checks`): the checks are back on when
+    it ends, so that whatever runs next in the process runs remat as it ships."""
     try:
         yield
     finally:
         remat._engine.GeneratorWatch = remat._rng.GeneratorWatch  # type: ignore[attr-defined]
+        remat._transform.ModuleState = remat._modules.ModuleState  # type: ignore[attr-defined]
 
 
 class _IdleThread:
@@ -381,16 +401,21 @@ class _IdleThread:
 
 def overhead_modes() -> dict[str, Checkpoint]:
     """The overhead workload's modes: the remat policies, their peers and the reference points.
-    `UNCHECKED` turns the generator check off until a remat mode turns it on: run them inside
-    `generator_check_restored`."""
+    Each remat mode sets its checks on or off at each call (`checks`), and they stay so until
+    the next remat mode sets them: run them inside `checks_restored`."""
     found = modes()[0]
     chosen = {mode: found[mode] for mode in ("plain", "torch.utils.checkpoint", SAC)}
-    chosen["remat save_nothing"] = _generator_check(True, found["remat save_nothing"])
-    chosen[UNCHECKED] = _generator_check(False, found["remat save_nothing"])
-    chosen[THREADED] = _generator_check(True, found["remat save_nothing"])
+    nothing, matmuls = found["remat save_nothing"], found["remat save_matmuls"]
+    chosen["remat save_nothing"] = checks(nothing)
+    chosen[UNCHECKED] = checks(nothing, generator=False)
+    chosen[THREADED] = checks(nothing)
     chosen[THREADED].around = _IdleThread  # type: ignore[attr-defined]
-    chosen["remat save_matmuls"] = found["remat save_matmuls"]
-    chosen["remat memory_budget(0.5)"] = remat.remat(policy=remat.policies.memory_budget(0.5))
+    chosen[UNGUARDED] = checks(nothing, generator=False, module_state=False)
+    chosen["remat save_matmuls"] = checks(matmuls)
+    chosen[MATMULS_UNGUARDED] = checks(matmuls, module_state=False)
+    chosen["remat memory_budget(0.5)"] = checks(
+        remat.remat(policy=remat.policies.memory_budget(0.5))
+    )
     chosen[MODES_ONLY], chosen[THIN_REPLAY] = modes_only, thin_replay
     return chosen
 
@@ -399,7 +424,7 @@ def overhead_workload(config: GPTConfig, rounds: int, device: torch.device) -> l
     """A transformer so small that compute is negligible (pre-LayerNorm, dropout; width 16,
     8 blocks, batch 2 x 16 by default): a step's time over plain's is each mode's Python
     overhead, as in an eager GPU step whose CPU issue time is the step time."""
-    with generator_check_restored():
+    with checks_restored():
         return gpt_workload(
             f"overhead: width {config.width}, {config.blocks} blocks, 2 x {config.seq}",
             config,
@@ -419,7 +444,7 @@ def bytecodes(config: GPTConfig, device: torch.device, steps: int = 2) -> dict[s
     base = GPT(config).to(device)
     tokens, targets = (t.to(device) for t in make_batches(config, 2, 1)[0])
     counts = {}
-    with generator_check_restored():
+    with checks_restored():
         for mode, wrap in overhead_modes().items():
             with getattr(wrap, "around", contextlib.nullcontext)():
                 counts[mode] = _bytecodes_per_step(base, wrap, tokens, targets, steps)

@@ -76,16 +76,50 @@ def test_bytecode_counts_repeat_and_grow_with_the_work_done():
     assert first["plain"] < first["torch.utils.checkpoint"] < first[suite.SAC]
 
 
-def test_the_unchecked_mode_leaves_the_generator_check_on_for_what_runs_after():
+def _checks_on() -> bool:
+    return (
+        remat._engine.GeneratorWatch is remat._rng.GeneratorWatch
+        and remat._transform.ModuleState is remat._modules.ModuleState
+    )
+
+
+def test_the_modes_without_checks_leave_them_on_for_what_runs_after():
     """`UNCHECKED` (save_nothing without its generator check) runs fewer bytecodes than
-    save_nothing, the check's; and once the workloads that time it end, remat runs with its
-    check again (the bench's tiny-region timing ran without it, after the bytecode count)."""
+    save_nothing, the check's, and `UNGUARDED` (without its module-state checks too) fewer
+    still; `MATMULS_UNGUARDED` fewer than save_matmuls. Once the workloads that time them end,
+    remat runs with its checks again (the bench's tiny-region timing ran without the generator
+    check, after the bytecode count)."""
     config = suite.dataclasses.replace(suite.OVERHEAD, blocks=1)
     counts = suite.bytecodes(config, torch.device("cpu"), steps=1)
-    assert counts[suite.UNCHECKED] < counts["remat save_nothing"]
-    assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch
+    assert counts[suite.UNGUARDED] < counts[suite.UNCHECKED] < counts["remat save_nothing"]
+    assert counts[suite.MATMULS_UNGUARDED] < counts["remat save_matmuls"]
+    assert _checks_on()
     suite.overhead_workload(config, 1, torch.device("cpu"))
-    assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch
+    assert _checks_on()
+
+
+def test_a_mode_sets_its_checks_at_each_call_whatever_ran_before():
+    """Each remat mode of the overhead workload runs with its own checks, also right after a
+    mode that turned them off: save_nothing's region captures module state, `UNGUARDED`'s
+    does not, whichever ran last."""
+    regions: list[bool] = []
+    capture = remat._modules.ModuleState.capture
+
+    def spy(*args):  # (the real capture, noting whether a region captured)
+        state = capture(*args)
+        regions.append(state is not None)
+        return state
+
+    modes = suite.overhead_modes()
+    block = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    with suite.checks_restored(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remat._modules.ModuleState, "capture", spy)
+        for mode in ("remat save_nothing", suite.UNGUARDED, "remat save_matmuls"):
+            modes[mode](block)(x).sum().backward()
+            regions.append(None)
+    assert regions == [True, None, None, True, None]
+    assert _checks_on()
 
 
 def test_the_threaded_mode_times_its_steps_with_another_thread_alive():
@@ -143,7 +177,7 @@ def test_gpu_steps_smoke_run_times_every_mode_with_plain_s_loss():
         assert found, line
         _, paired, low, high = map(float, found.groups())
         assert low <= paired <= high, line
-    assert remat._engine.GeneratorWatch is remat._rng.GeneratorWatch  # after `UNCHECKED`
+    assert _checks_on()  # after `UNCHECKED` and `UNGUARDED`
     # On the CPU no kernel runs: the table's rows are there, with the steps' times.
     modes = gpu_steps.BUSY_MODES
     table = gpu_steps.gpu_busy(size, device, gpt, steps=1).splitlines()[-len(modes) :]
