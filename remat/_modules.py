@@ -947,9 +947,8 @@ class ModuleState:
                         for i, slot in enumerate(state.slots)
                         if slot.table is None or slot.table is not slot.module._parameters
                     }
-        if not (state.slots or state.places or state.watching or state.sharded or submodules):
-            return None
-        return state
+        held = state.slots or state.loose or state.sharded or submodules
+        return state if held or state.places or state.watching else None
 
     def _rewind(self) -> None:
         """Of the slots with snapshots, those `_rewound` allows are rewound in place

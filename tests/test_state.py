@@ -378,6 +378,8 @@ def _steps(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], state: Any)
 
 def _reached_by_reference(reach: str, first: int) -> Callable[..., Any]:
     """A function that updates a tensor it reaches as ``reach`` says, from step ``first``."""
+    if reach == "default_only":
+        return _reached_by_default_only(first)
     ema = torch.zeros(6, dtype=DTYPE)
     holder = {"list": [ema], "closure": ema, "default": ema}[reach]
     calls: list[None] = []
@@ -395,8 +397,26 @@ def _reached_by_reference(reach: str, first: int) -> Callable[..., Any]:
     return update, ema
 
 
+def _reached_by_default_only(first: int) -> Callable[..., Any]:
+    """The same, reaching it (and its count of calls) by default arguments alone: no module,
+    closure cell or global that remat would look after for the recompute."""
+    ema, calls = torch.zeros(6, dtype=DTYPE), []
+
+    def update(
+        x: torch.Tensor, w: torch.Tensor, ema: Any = ema, calls: Any = calls, first: int = first
+    ) -> torch.Tensor:
+        calls.append(None)
+        if len(calls) > first:  # (the recompute counts as a call)
+            with torch.no_grad():
+                ema.mul_(0.5).add_(x.mean(0))
+        return (x @ w * ema).tanh()
+
+    assert update.__closure__ is None
+    return update, ema
+
+
 @pytest.mark.parametrize("first", [0, 2], ids=["every_call", "from_the_second_step"])
-@pytest.mark.parametrize("reach", ["closure", "list", "default"])
+@pytest.mark.parametrize("reach", ["closure", "list", "default", "default_only"])
 @each_policy
 def test_tensor_reached_by_reference_and_updated_in_fn_raises(policy, reach, first):
     """A plain tensor `fn` updates in place (not a module's, not an argument) raises, naming it."""
