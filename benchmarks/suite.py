@@ -329,10 +329,11 @@ OVERHEAD_PEERS = {
 
 
 class _Unwatched:
-    """`remat._rng.GeneratorWatch`'s stand-in for `UNCHECKED`: no function mode, no check."""
+    """`remat._rng.GeneratorWatch`'s stand-in for `UNCHECKED`: no function mode, so no check
+    of generators (nor of batch norm's statistics, which the overhead workload has none of)."""
 
-    def __init__(self, states: Any) -> None:
-        del states
+    def __init__(self, *watch: Any) -> None:
+        del watch
 
     def __enter__(self) -> None:
         return None

@@ -11,6 +11,7 @@ through, and so do the ops of a region's own recompute started inside its forwar
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from torch.overrides import TorchFunctionMode
@@ -18,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from . import _torch_private
 from ._errors import TraceEntry, describe, source_line
 from ._keep import DIVERGED, Keeper
-from ._modules import ModuleState, WriteGuard
+from ._modules import BATCH_NORM_OPS, ModuleState, WriteGuard
 from ._provenance import _OPS, Op, op_info, written
 from ._replayer import Replayer
 from ._rng import RngCapture, RngReplay, threaded
@@ -68,6 +69,7 @@ class OpMode(_torch_private.TorchDispatchMode):
         trace: list[TraceEntry] | None = None,
         watch: ModuleState | None = None,
         guard: WriteGuard | None = None,
+        second: Callable[[Any, list[Any]], None] | None = None,
     ) -> None:
         super().__init__()
         if not _torch_private.every_op_made() and threaded():
@@ -82,6 +84,8 @@ class OpMode(_torch_private.TorchDispatchMode):
         # and the guard's check of writes (below, unrolled).
         plain = trace is None and watch is None and self.reads is None
         self.replaying = replayer if plain else None
+        # A recompute's check of batch norm's writes, where no guard makes it (`SecondUpdates`).
+        self.second = second if guard is None else None
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
         self.run, self.passed = self._run, self._passed  # bound once: handed on for every op
 
@@ -103,6 +107,8 @@ class OpMode(_torch_private.TorchDispatchMode):
                     return out
             if keeper is not None and op.storage:
                 keeper.before(op, args, kwargs)
+            if op.writes and self.second is not None and func in BATCH_NORM_OPS:
+                self.second(func, written(op, args, kwargs))
             out = self._run(op, args, kwargs)
             if keeper is not None:
                 keeper.after(op, args, kwargs, out)

@@ -38,7 +38,15 @@ from ._errors import (
     node_op,
 )
 from ._keep import Keeper
-from ._modules import ModuleState, WriteGuard, same_storage, storage_id, storage_of
+from ._modules import (
+    BATCH_NORM_FUNCTIONS,
+    ModuleState,
+    SecondUpdates,
+    WriteGuard,
+    same_storage,
+    storage_id,
+    storage_of,
+)
 from ._policies import Policy
 from ._replayer import Replayer, Restart, Stop
 from ._rng import GeneratorWatch, RngCapture, RngLend, threaded
@@ -322,6 +330,7 @@ class _Setting:
         "keeper",
         "levels",
         "modules",
+        "owner",
         "rng",
         "threaded",
         "trace",
@@ -340,7 +349,7 @@ class _Setting:
         function_modes: Sequence[Any],
     ) -> None:
         self.levels = _functorch.Levels.capture(inputs)
-        self.modules = modules
+        self.owner, self.modules = owner, modules  # (what learns about the inputs)
         self.autocast = _autocast_state()
         self.cache = _torch_private.parametrization_cache()
         # The user's torch function modes (``torch.device(...)`` is one), not remat's own.
@@ -392,6 +401,7 @@ class _Setting:
         """Enter the forward's setting for one recompute; the call to make, and its pack.
         The modes ``hidden`` holds (the backward's) are shown to the call."""
         leaves, tensors = region.call_now()
+        given = leaves  # (the forward's; the recompute's may be copies, `swap`)
         trace: list[TraceEntry] | None = [] if self.trace is not None else None
         stack.enter_context(torch.enable_grad())
         replant = stack.enter_context(self.levels.restore(tensors))
@@ -410,6 +420,8 @@ class _Setting:
             tensors = [swap.get(id(t), t) for t in tensors]
             leaves = [swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
         call = region.build(leaves, swap)
+        second = SecondUpdates(self.owner, given, swap, region.paths, self.modules)
+        guard.second = second.written
         slots = self.modules.slots if self.modules else ()
         stack.callback(_hooks_added(tensors + [slot.tensor for slot in slots]))
         replayer = Replayer(self.keeper, tensors) if self.keeper is not None else None
@@ -452,13 +464,15 @@ class _Setting:
             else:
                 states = self.rng.lendable()
                 stack.enter_context(RngLend(states))
-                stack.enter_context(GeneratorWatch(states))
+                stack.enter_context(GeneratorWatch(states, BATCH_NORM_FUNCTIONS, second))
         if moded:
             # A per-op policy's recompute runs under the mode anyway: always guarded.
             guard.writes = self.watching or replayer is not None
             guard.made_here = replayer.made_here if replayer is not None else None
             checks = guard if guard.writes or guard.live else None
-            mode = self.mode_type()(replay=replay, replayer=replayer, trace=trace, guard=checks)
+            mode = self.mode_type()(
+                replay=replay, replayer=replayer, trace=trace, guard=checks, second=second.written
+            )
             stack.enter_context(mode)
         return call, pack
 

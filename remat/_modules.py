@@ -70,9 +70,11 @@ from ._errors import (
 )
 
 __all__ = [
+    "BATCH_NORM_FUNCTIONS",
     "BATCH_NORM_OPS",
     "ModuleState",
     "Reached",
+    "SecondUpdates",
     "WriteGuard",
     "owner_of",
     "programs",
@@ -1566,6 +1568,106 @@ def _stale(func: Any, t: torch.Tensor) -> RecomputeError:
     )
 
 
+# The torch functions that run a batch norm kernel, which writes the running statistics in
+# training with no version bump: where each takes them, and its training flag.
+_BATCH_NORMS: dict[Any, tuple[int, int, int]] = {
+    nn.functional.batch_norm: (1, 2, 5),
+    torch.batch_norm: (3, 4, 5),
+    torch.native_batch_norm: (3, 4, 5),
+    torch._native_batch_norm_legit: (3, 4, 5),
+    torch._batch_norm_impl_index: (3, 4, 5),
+    torch.cudnn_batch_norm: (3, 4, 5),
+    torch.miopen_batch_norm: (3, 4, 5),
+}
+_BATCH_NORM_ARGUMENTS = ("running_mean", "running_var", "training")
+BATCH_NORM_FUNCTIONS = frozenset(_BATCH_NORMS)
+
+
+class SecondUpdates:
+    """A recompute's check of the batch norm kernels it runs, which write the running
+    statistics in training with no version bump (nothing shows the forward's write).
+
+    Statistics that are one of ``fn``'s arguments (``leaves``, the forward's), a module's
+    tensor or a tensor reached by reference, and that the recompute would write as they are
+    (not rewound, no private copy: ``copied`` holds the arguments', by id), were written by
+    the forward already, as an earlier call did not write them: the check raises, naming
+    them, before the kernel writes them a second time, and later calls keep them (learned).
+    Called with each batch norm function the recompute's function mode sees
+    (`BATCH_NORM_FUNCTIONS`), or with what a batch norm kernel writes, by remat's dispatch
+    mode or `WriteGuard`. ``paths``: each tensor argument's, for the message.
+    """
+
+    __slots__ = ("copied", "known", "leaves", "owner", "paths", "state")
+
+    def __init__(
+        self,
+        owner: Any,
+        leaves: list[Any],
+        copied: dict[int, Any],
+        paths: Callable[[], list[str]],
+        state: ModuleState | None,
+    ) -> None:
+        self.owner, self.leaves, self.copied, self.paths = owner, leaves, copied, paths
+        self.state = state
+        # id -> (what learns of it, its name there, and what it is: a str, or an argument's
+        # place among the tensor arguments), made at the first batch norm
+        self.known: dict[int, tuple[Any, str, str | int]] | None = None
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        places = _BATCH_NORMS[func]
+        found = [
+            args[i] if i < len(args) else kwargs.get(name)
+            for i, name in zip(places, _BATCH_NORM_ARGUMENTS, strict=True)
+        ]
+        if found[2]:  # (in evaluation it reads them)
+            self.written(func, [t for t in found[:2] if isinstance(t, torch.Tensor)])
+
+    def written(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        known = self._known()
+        written = [known[id(t)] for t in tensors if id(t) in known]
+        for learner, name, _ in written:
+            if learner is not None:
+                record = _learning(learner)
+                record.learn(record.updated, name)
+        if not written:
+            return
+        names = [w if isinstance(w, str) else f"argument {self.paths()[w]}" for _, _, w in written]
+        learned = all(learner is not None for learner, _, _ in written)
+        raise RecomputeError(
+            f"`remat`: the forward updated {' and '.join(names)} in place (the running "
+            f"statistics of {getattr(func, '__name__', func)}, which show no version bump), "
+            "which earlier calls of the region did not do, so remat had not kept their values "
+            "from before the forward, and the recompute would update them a second time. "
+            + (
+                "Later calls keep them; update them outside `fn`, or make the update happen on "
+                "the region's first call."
+                if learned
+                else "Keep such state in a buffer of a module `fn` reaches (`register_buffer`), "
+                "or pass it to `fn` as an argument."
+            )
+        )
+
+    def _known(self) -> dict[int, tuple[Any, str, str | int]]:
+        if self.known is not None:
+            return self.known
+        known: dict[int, tuple[Any, str, str | int]] = {}
+        tensors = [(i, x) for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        for j, (i, x) in enumerate(tensors):
+            if not x.requires_grad and id(x) not in self.copied:
+                known[id(x)] = (self.owner, f"input {i}", j)
+        state = self.state
+        if state is not None:  # (its slots without a copy, not rewound: the originals)
+            handled = state.snapshots.keys() | state.rewound.keys()
+            for i, slot in enumerate(state.slots):
+                if i >= state.inputs and i not in handled:
+                    kind = type(slot.module).__name__
+                    known[id(slot.tensor)] = (slot.module, slot.name, f"`{slot.name}` of {kind}")
+            for t, _ in state.loose:
+                known[id(t)] = (None, "", "a tensor `fn` reaches by reference")
+        self.known = known
+        return known
+
+
 def _lost(slot: _Slot) -> RecomputeError:
     return RecomputeError(
         f"`remat`: the forward updated module tensor `{slot.name}` of "
@@ -1591,7 +1693,9 @@ class WriteGuard:
     was (a tensor reached in a way `reachable` does not follow).
     """
 
-    __slots__ = ("copied", "live", "local", "made_here", "same", "stand_in", "views", "writes")
+    __slots__ = (
+        "copied", "live", "local", "made_here", "same", "second", "stand_in", "views", "writes",
+    )  # fmt: skip
 
     def __init__(
         self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], in_place: list[torch.Tensor]
@@ -1617,6 +1721,8 @@ class WriteGuard:
         self.stand_in: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
         self.same: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (`_back`'s)
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (it, its view)
+        # Raises, naming them, for running statistics remat knows (`SecondUpdates.written`).
+        self.second: Callable[[Any, list[torch.Tensor]], None] | None = None
 
     def standing(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
         """``values`` (a torch call's arguments; lists and tuples in them too), where a tensor
@@ -1712,6 +1818,8 @@ class WriteGuard:
                         raise _stale(func, t)
 
     def before_write(self, func: Any, written: list[torch.Tensor]) -> None:
+        if self.second is not None and func in BATCH_NORM_OPS:
+            self.second(func, written)
         for t in written:
             memory = _storage(t)
             if memory in self.live:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -443,17 +444,28 @@ class RngLend:
 class GeneratorWatch(TorchFunctionMode):
     """For one recompute without a dispatch mode: watches its torch calls (a function mode
     leaves aten decompositions alone). One with an explicit ``generator=`` the forward did
-    not capture raises, rather than draw other numbers and move that generator on twice.
+    not capture raises, rather than draw other numbers and move that generator on twice;
+    the ``watched`` functions are checked by ``watch`` (batch norm's: `SecondUpdates`).
 
     It is the price of that check: the recompute's every torch call goes through it.
     """
 
-    def __init__(self, states: dict[torch.Generator, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        states: dict[torch.Generator, torch.Tensor],
+        watched: frozenset[Any] = frozenset(),
+        watch: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
+    ) -> None:
         super().__init__()
         self.states = states
         self.made: list[torch.Generator] = []  # by ``fn``: seeded when it first drew
+        # Other torch functions to check on the way (`watch` is called before each runs).
+        self.watched, self.watch = watched, watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in self.watched:
+            assert self.watch is not None
+            self.watch(func, args, kwargs or {})
         if not kwargs:  # (most calls: checked first, as this runs for every torch call)
             return func(*args)
         generator = kwargs.get("generator")

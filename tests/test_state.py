@@ -11,6 +11,7 @@ globals, partials and objects, under every policy, in eager mode and under
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import ctypes
 import functools
@@ -27,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 import remat
-from tests.helpers import DTYPE, POLICIES, assert_tree_equal
+from tests.helpers import DTYPE, POLICIES, another_thread_alive, assert_tree_equal
 
 each_policy = pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 
@@ -446,6 +447,102 @@ def test_global_tensor_changed_between_forward_and_backward_raises(policy):
             out.backward()
     finally:
         SCALE.copy_(before)
+
+
+class _LateStatistics(nn.Module):
+    """Batch norm's kernel on running statistics of its own (no ``num_batches_tracked`` to
+    count its calls), from the call where the input's first value is positive on: the
+    kernel writes them with no version bump."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).to(DTYPE)
+        self.register_buffer("mean", torch.zeros(6, dtype=DTYPE))
+        self.register_buffer("var", torch.ones(6, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_late_statistics(x, self.mean, self.var))
+
+
+def _late_statistics(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    if x[0, 0] > 0:
+        h = nn.functional.batch_norm(h, mean, var, training=True, momentum=0.5)
+    return h.tanh()
+
+
+@each_policy
+@pytest.mark.parametrize("held", ["buffers", "arguments"])
+@pytest.mark.parametrize("thread", [False, True], ids=["alone", "another_thread_alive"])
+def test_statistics_first_updated_by_a_later_call_raise_once_then_train(policy, held, thread):
+    """Running statistics that batch norm's kernel (no version bump) first updates at a
+    later call than the region's watched ones, a module's buffers or arguments: the recompute
+    raises once, naming them, rather than update them a second time, and later calls train
+    as plain; also with another thread alive (the recompute then runs under remat's dispatch
+    mode). Under `save_nothing` they were updated twice, silently; the per-op policies
+    raised at every later call. (Not with ``preserve_rng=False``: docs/limitations.md.)"""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        model = _LateStatistics()
+        stats = (torch.zeros(6, dtype=DTYPE), torch.ones(6, dtype=DTYPE))
+        region = wrap(model if held == "buffers" else _late_statistics)
+        steps, errors = {}, {}
+        with another_thread_alive() if thread else contextlib.nullcontext():
+            for step in range(5):
+                x = _batch(step).abs().mul(-1 if step < 2 else 1).requires_grad_()
+                try:
+                    out = region(x) if held == "buffers" else region(x, *stats)
+                    out.sin().sum().backward()
+                    steps[step] = (out.detach(), x.grad)
+                except remat.RecomputeError as error:
+                    errors[step] = str(error)
+        return steps, [*model.buffers(), *stats], errors
+
+    steps, buffers, errors = run(functools.partial(remat.remat, policy=policy))
+    plain_steps, plain_buffers, _ = run(lambda f: f)
+    assert set(errors) <= {2}, errors
+    for message in errors.values():
+        what = "`mean` of _LateStatistics" if held == "buffers" else "argument `mean`"
+        assert f"{what} and " in message, message
+        assert "no version bump" in message, message
+    assert_tree_equal(steps, {k: v for k, v in plain_steps.items() if k not in errors})
+    assert_tree_equal(buffers, plain_buffers)
+
+
+class _LateBatchNorm(nn.Module):
+    """`_LateStatistics` with ``nn.BatchNorm1d``, which counts its calls in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6, momentum=0.5).to(DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        return (self.norm(h) if x[0, 0] > 0 else h).tanh()
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["statistics", "nn.BatchNorm1d"])
+def test_statistics_first_updated_later_without_rng_replay(counted):
+    """The limitation docs/limitations.md states: with ``preserve_rng=False`` the default
+    policy's recompute watches no torch call, and statistics a later call updates first
+    are updated twice, with no error; unless the module counts its calls in place
+    (``num_batches_tracked``), which raises."""
+    torch.manual_seed(0)
+    model = _LateBatchNorm() if counted else _LateStatistics()
+    region = remat.remat(model, preserve_rng=False)
+    stats = [*model.buffers()][:2]
+    for step in range(3):
+        x = _batch(step).abs().mul(1 if step >= 1 else -1).requires_grad_()
+        out = region(x)
+        after = [t.clone() for t in stats]
+        if counted and step >= 1:
+            with pytest.raises(remat.RecomputeError, match="num_batches_tracked"):
+                out.sum().backward()
+            return
+        out.sum().backward()
+        updated_again = [not torch.equal(a, t) for a, t in zip(after, stats, strict=True)]
+        assert updated_again == [step >= 1] * 2, step
 
 
 class _LateDecay(nn.Module):
@@ -929,7 +1026,8 @@ def test_statistics_an_argument_switches_on_in_later_calls(policy, change):
     earlier ones did not, with the same argument structure: a None where they are passed
     later, or a bool argument that picks which pair is updated. Such a call is watched
     again: the recompute does not update them a second time, nor does a per-op policy's
-    raise. (An int picking the pair is not told apart: docs/limitations.md.)"""
+    raise. (An int picking the pair is not told apart: the recompute raises once, see
+    `tests/test_docs.py::test_an_int_that_picks_the_statistics_updated_raises_once`.)"""
 
     def run(fn: Callable[..., Any]) -> Any:
         first = (torch.zeros(3, dtype=DTYPE), torch.ones(3, dtype=DTYPE))
