@@ -840,7 +840,6 @@ class ModuleState:
         values) that reaches the objects it reaches whose attributes remat does not search
         (`Reached.opaque`).
         """
-        state = cls()
         learned = _learned(owner)
         # A tensor where a None was, or a flag flipped, may update other tensors.
         kinds = tuple(leaf if type(leaf) is bool else type(leaf) for leaf in leaves)
@@ -848,12 +847,17 @@ class ModuleState:
         seen = learned is not None and key in learned.seen
         # Unseen: every input is watched, as its positions may show other tensors now.
         inputs_updated = learned.updated if seen and learned is not None else None
-        for i, x in enumerate(leaves):
-            if not isinstance(x, torch.Tensor) or x.requires_grad:
-                continue
-            name = f"input {i}"
-            if inputs_updated is not None and name not in inputs_updated:
-                continue
+        input_slots = [
+            (f"input {i}", x)
+            for i, x in enumerate(leaves)
+            if isinstance(x, torch.Tensor)
+            and not x.requires_grad
+            and (inputs_updated is None or f"input {i}" in inputs_updated)
+        ]
+        if seen and not (input_slots or reached.modules or reached.tensors or reached.places):
+            return None  # (what the end finds, sooner: a function that reaches no module)
+        state = cls()
+        for name, x in input_slots:
             if inputs_updated is not None:
                 state.snapshots[len(state.slots)] = state._snapshot(len(state.slots), x)
             else:

@@ -1048,6 +1048,59 @@ def test_statistics_an_argument_switches_on_in_later_calls(policy, change):
     )
 
 
+_RECOMPUTING = {
+    k: p for k, p in POLICIES.items() if not remat.remat(abs, policy=p).policy.keeps_everything
+}
+
+
+@pytest.mark.parametrize("policy", _RECOMPUTING.values(), ids=_RECOMPUTING.keys())
+def test_a_function_reaching_no_module_captures_no_state_once_seen(policy):
+    """A function that reaches no module, no tensor by reference and no argument it writes
+    captures no module state once its first (watched) call is seen: the capture returns
+    before it walks anything. One that writes its argument, or reads a closure tensor,
+    still captures on every call, and trains as plain (the argument updated once)."""
+    captured: list[bool] = []
+    capture = remat._modules.ModuleState.capture
+
+    def spy(*args: Any) -> Any:  # (the real capture, noting whether it found state)
+        state = capture(*args)
+        captured.append(state is not None)
+        return state
+
+    shift = torch.tensor([0.5, -0.25, 1.0], dtype=DTYPE)
+
+    def pure(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * var + mean).exp().sum()
+
+    def writes(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        # (batch norm through ``torch``: a global function called would be a place too)
+        return nn.functional.batch_norm(x.sin(), mean, var, training=True).tanh().sum()
+
+    def closure(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * var + mean + shift).exp().sum()
+
+    def run(fn: Callable[..., Any]) -> list[Any]:
+        mean, var = torch.zeros(3, dtype=DTYPE), torch.ones(3, dtype=DTYPE)
+        results = []
+        for step in range(3):
+            x = torch.linspace(-1, 1, 18, dtype=DTYPE).view(6, 3).add(step).requires_grad_()
+            out = fn(x, mean, var)
+            out.backward()
+            results += [out.detach(), x.grad, mean.clone(), var.clone()]
+        return results
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remat._modules.ModuleState, "capture", spy)
+        found = {}
+        for fn in (pure, writes, closure):
+            captured.clear()
+            assert_tree_equal(run(remat.remat(fn, policy=policy)), run(fn))
+            found[fn.__name__] = list(captured)
+    # (What a first call learns is kept per code: an earlier parameter's may have seen it.)
+    assert found["pure"][1:] == [False, False]
+    assert found["writes"] == found["closure"] == [True] * 3
+
+
 @each_policy
 def test_statistics_batched_by_vmap_are_updated_once(policy):
     """Running statistics passed as arguments, batched by ``vmap`` (one pair per member),
