@@ -797,7 +797,7 @@ class ModuleState:
         # learns from it, the slots' memory at entry, and the slots it wrote (`before_write`).
         self.watching = False
         self.learners: list[Any] = []
-        self.seen_as: tuple[Any, Any] | None = None  # (owner, its key in `_Learned.seen`)
+        self.seen_as: tuple[Any, Any] | None = None  # (owner, the call's key in `_Learned.seen`)
         self.before: dict[int, torch.Tensor] = {}
         # A watched forward: copies of its buffers and arguments at entry, which tell a
         # write no op shows (through ``.numpy()``, a kernel given a raw pointer).
@@ -941,8 +941,9 @@ class ModuleState:
             known = {id(slot.tensor) for slot in slots}.union(map(id, leaves))
             state.loose = [(t, t._version) for t in reached.tensors if id(t) not in known]
             state.loose_storages = [storage_of(t) for t, _ in state.loose]
+        state.seen_as = owner, key
         if unlearned:
-            state.watching, state.learners, state.seen_as = True, unlearned, (owner, key)
+            state.watching, state.learners = True, unlearned
             with _torch_private.functorch_cleared():  # plain aliases, outside any level
                 state.before = {
                     i: state._wrapped(i, slot.tensor).detach() for i, slot in enumerate(state.slots)
@@ -1095,7 +1096,12 @@ class ModuleState:
                 self.lost.append(slot)
         for learner in self.learners:
             _learning(learner)
-        if self.seen_as is not None:
+        if self.lost and self.seen_as is not None:
+            # The next such call is watched again: it learns every write this forward made
+            # (a batch norm's statistics, which show no version bump, beside its counter).
+            owner, key = self.seen_as
+            _learning(owner).seen.discard(key)
+        elif self.watching and self.seen_as is not None:
             owner, key = self.seen_as
             seen = _learning(owner).seen
             if len(seen) > 64:  # an owner that reaches new objects at every call
