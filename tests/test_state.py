@@ -191,6 +191,53 @@ def test_modules_reached_through_containers_train_as_plain(policy, reach, train)
     assert_tree_equal(train(kept, kept), expected)
 
 
+class _LateScale(nn.Module):
+    """Decays a buffer in place from the call where the input's first value is positive on:
+    no flag or counter on the way that would get that call watched again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(6, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0, 0] > 0:
+            with torch.no_grad():
+                self.scale.mul_(0.5)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("reach", REACHES)
+@each_policy
+def test_modules_reached_through_containers_first_updated_by_a_later_call(policy, reach):
+    """A buffer that the forward updates in place only from its third call on, in a module
+    the region reaches by one path alone (a list, a default, a global, an object...): the
+    recompute raises once, naming it, and the other steps and the buffers are plain's."""
+
+    def run(wrap: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        net = nn.Sequential(_LateScale(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).to(DTYPE)
+        region = _Region(net, reach, wrap)
+        steps, errors = {}, {}
+        for step in range(5):
+            net.zero_grad()
+            x = _batch(step).abs().mul(-1 if step < 2 else 1)
+            try:
+                out = region(x)
+                out.sin().sum().backward()
+                steps[step] = (out.detach(), [p.grad for p in net.parameters()])
+            except remat.RecomputeError as error:
+                errors[step] = str(error)
+        return steps, dict(net.named_buffers()), errors
+
+    steps, buffers, errors = run(functools.partial(remat.remat, policy=policy))
+    plain_steps, plain_buffers, _ = run(lambda f: f)
+    assert set(errors) <= {2}, errors
+    for message in errors.values():
+        assert "`scale` of _LateScale" in message, message
+    assert_tree_equal(steps, {k: v for k, v in plain_steps.items() if k not in errors})
+    assert_tree_equal(buffers, plain_buffers)
+
+
 def test_checkpoint_sequential_with_remat_checkpoint(monkeypatch):
     """torch's checkpoint_sequential, with remat.checkpoint as its checkpoint: plain's training."""
     plain, kept = _net(), _net()
