@@ -50,7 +50,11 @@ QUIET = _Quiet()  # one for all: the count lives in the thread
 
 
 class OpMode(_torch_private.TorchDispatchMode):
-    """Sees every aten op of one forward or one recompute."""
+    """Sees every aten op of one forward or one recompute.
+
+    It holds no bound method of its own (that cycle left every forward and recompute, with
+    their records and tensors, to Python's cyclic collector).
+    """
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -87,7 +91,6 @@ class OpMode(_torch_private.TorchDispatchMode):
         # A recompute's check of batch norm's writes, where no guard makes it (`SecondUpdates`).
         self.second = second if guard is None else None
         self.paused = 0  # > 0 while the region's own recompute runs inside this forward
-        self.run, self.passed = self._run, self._passed  # bound once: handed on for every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -98,11 +101,11 @@ class OpMode(_torch_private.TorchDispatchMode):
         if replaying is not None:
             if op.writes and self.guard is not None:
                 self._writes(op, args, kwargs)
-            return replaying.call(op, args, kwargs, self.run, self.passed)
+            return replaying.call(op, args, kwargs, self._run, self._passed)
         keeper = self.keeper
         if not self.checks:  # the usual forward: the bookkeeping alone (below, unrolled)
             if keeper is not None and keeper.program is not None:
-                out = keeper.follow(op, args, kwargs, self.run)
+                out = keeper.follow(op, args, kwargs, self._run)
                 if out is not DIVERGED:
                     return out
             if keeper is not None and op.storage:
@@ -118,9 +121,9 @@ class OpMode(_torch_private.TorchDispatchMode):
         if op.writes and (self.watch is not None or self.guard is not None):
             self._writes(op, args, kwargs)
         if self.replayer is not None:
-            out = self.replayer.call(op, args, kwargs, self.run, self.passed)
+            out = self.replayer.call(op, args, kwargs, self._run, self._passed)
         elif keeper is not None and keeper.program is not None:
-            out = keeper.follow(op, args, kwargs, self.run)
+            out = keeper.follow(op, args, kwargs, self._run)
             if out is DIVERGED:
                 if op.storage:
                     keeper.before(op, args, kwargs)
