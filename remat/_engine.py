@@ -528,6 +528,17 @@ class Region:
         self.running = False  # whether the forward runs
 
     def forward(self) -> Any:
+        try:
+            return self._forward()
+        except BaseException:
+            # An error in ``fn`` or at its end (a `Stop` from the region around, a kept
+            # placeholder there): the values kept so far have histories that hold this
+            # region through autograd's hooks, a cycle no collector sees.
+            if self.keeper is not None:
+                self.keeper.kept.clear()
+            raise
+
+    def _forward(self) -> Any:
         # The hooks are not kept on the region: autograd's saved values own them.
         unpack = _Unpack(self)
         pack = _Pack(self, unpack)

@@ -531,6 +531,36 @@ def test_no_leak_after_backward_under_every_policy(regions, policy):
     assert [r() for r in regions] == [None] * 3
 
 
+def _raises_after_a_product(x, w):
+    h = (x @ w).tanh()
+    if h.sum() > -1e9:
+        raise ValueError("a check of the user's")
+    return h
+
+
+@pytest.mark.parametrize("way", ["fn raises", "nested"])
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_a_region_whose_forward_ends_in_an_error_is_freed(regions, policy, way):
+    """A forward that ends in an error kept values whose histories hold the region (through
+    autograd's hooks, a cycle no collector sees): it stayed alive for good, with them. So
+    did a region nested in another under `offload`: its forward in the outer recompute
+    kept a skipped value, and ended in an error there, which the outer recompute recovers
+    from by running again."""
+    x = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        if way == "fn raises":
+            with pytest.raises(ValueError, match="a check of the user's"):
+                remat(_raises_after_a_product, policy=policy)(x, w)
+        else:
+            inner = remat(_attention, policy=policy)
+            outer = remat(lambda x, w: inner(inner(x, w), w).tanh(), policy=policy)  # noqa: B023
+            outer(x, w).sum().backward()
+            del inner, outer
+    gc.collect()
+    assert [r() for r in regions] == [None] * len(regions)
+
+
 def _step_without_collector(way: str, policy: Any, model: nn.Module) -> None:
     """One step through a region, run the ``way`` a user runs one (``model``: under
     `remat.apply`)."""
